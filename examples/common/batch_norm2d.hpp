@@ -1,0 +1,132 @@
+#pragma once
+/// \file batch_norm2d.hpp
+/// \brief Batch normalisation over (N, H, W) per channel (Ioffe and Szegedy 2015).
+
+#include "common/tensor.hpp"
+
+#include <cmath>
+#include <vector>
+
+namespace nn {
+
+/// \brief BatchNorm2d: \f$y = \gamma \hat{x} + \beta\f$, \f$\hat{x} = (x - \mu_c) / \sqrt{\sigma_c^2 + \epsilon}\f$.
+///
+/// Training uses the batch statistics (biased variance) and updates running statistics with
+/// `momentum` (unbiased variance, as PyTorch does); evaluation uses the running statistics.
+/// Channel sums accumulate in double so the result does not depend on the batch size's rounding.
+class BatchNorm2d {
+ public:
+  explicit BatchNorm2d(int channels, double eps = 1e-5, double momentum = 0.1)
+      : channels_(channels), eps_(eps), momentum_(momentum), gamma_("nn::bn::gamma", channels),
+        beta_("nn::bn::beta", channels), dgamma_("nn::bn::dgamma", channels), dbeta_("nn::bn::dbeta", channels),
+        running_mean_("nn::bn::running_mean", channels), running_var_("nn::bn::running_var", channels),
+        inv_std_("nn::bn::inv_std", channels), mean_("nn::bn::mean", channels), xhat_("nn::bn::xhat"), y_("nn::bn::y"), dx_("nn::bn::dx") {
+    Kokkos::deep_copy(gamma_, 1.0f);
+    Kokkos::deep_copy(running_var_, 1.0f);
+  }
+
+  Tensor forward(const Tensor& x, Mode mode) {
+    const int n = int(x.extent(0)), c_n = channels_, h = int(x.extent(2)), w = int(x.extent(3));
+    const int hw = h * w;
+    const Vector inv_std = inv_std_, rmean = running_mean_, rvar = running_var_;
+    const Vector mean = mean_;
+    const float eps = float(eps_), mom = float(momentum_);
+    if (mode == Mode::train) {
+      const double m = double(n) * hw;
+      Kokkos::parallel_for("nn::bn::batch_stats", Kokkos::RangePolicy<ExecSpace>(0, c_n),
+                           KOKKOS_LAMBDA(const int c) {
+                             double sum = 0.0, sum_sq = 0.0;
+                             for (int s = 0; s < n; ++s)
+                               for (int r = 0; r < h; ++r)
+                                 for (int col = 0; col < w; ++col) sum += x(s, c, r, col);
+                             const double mu = sum / m;
+                             for (int s = 0; s < n; ++s)
+                               for (int r = 0; r < h; ++r)
+                                 for (int col = 0; col < w; ++col) {
+                                   const double d = x(s, c, r, col) - mu;
+                                   sum_sq += d * d;
+                                 }
+                             const double var = sum_sq / m;
+                             mean(c) = float(mu);
+                             inv_std(c) = float(1.0 / std::sqrt(var + eps));
+                             rmean(c) = float((1.0 - mom) * rmean(c) + mom * mu);
+                             rvar(c) = float((1.0 - mom) * rvar(c) + mom * var * (m > 1 ? m / (m - 1) : 1.0));
+                           });
+    } else {
+      Kokkos::parallel_for("nn::bn::running_stats", Kokkos::RangePolicy<ExecSpace>(0, c_n),
+                           KOKKOS_LAMBDA(const int c) {
+                             mean(c) = rmean(c);
+                             inv_std(c) = float(1.0 / std::sqrt(double(rvar(c)) + eps));
+                           });
+    }
+    const Tensor xhat = xhat_.tensor(n, c_n, h, w), y = y_.tensor(n, c_n, h, w);
+    const Vector gamma = gamma_, beta = beta_;
+    Kokkos::parallel_for("nn::bn::normalize", Kokkos::RangePolicy<ExecSpace>(0, n * c_n * hw),
+                         KOKKOS_LAMBDA(const int i) {
+                           const int q = i % hw, c = (i / hw) % c_n, s = i / (hw * c_n);
+                           const float v = (x(s, c, q / w, q % w) - mean(c)) * inv_std(c);
+                           xhat(s, c, q / w, q % w) = v;
+                           y(s, c, q / w, q % w) = gamma(c) * v + beta(c);
+                         });
+    xhat_view_ = xhat;
+    return y;
+  }
+
+  /// \brief Backward of a training-mode forward (the batch statistics depend on x).
+  Tensor backward(const Tensor& dy, bool need_dx) {
+    dy_ = dy;
+    const int n = int(dy.extent(0)), c_n = channels_, h = int(dy.extent(2)), w = int(dy.extent(3));
+    const Tensor xhat = xhat_view_;
+    const Vector dgamma = dgamma_, dbeta = dbeta_;
+    Kokkos::parallel_for("nn::bn::param_grad", Kokkos::RangePolicy<ExecSpace>(0, c_n),
+                         KOKKOS_LAMBDA(const int c) {
+                           double sg = 0.0, sb = 0.0;
+                           for (int s = 0; s < n; ++s)
+                             for (int r = 0; r < h; ++r)
+                               for (int col = 0; col < w; ++col) {
+                                 const double g = dy(s, c, r, col);
+                                 sg += g * xhat(s, c, r, col);
+                                 sb += g;
+                               }
+                           dgamma(c) = float(sg);
+                           dbeta(c) = float(sb);
+                         });
+    if (!need_dx) return Tensor();
+    // dx = gamma * inv_std / M * (M dy - sum(dy) - xhat * sum(dy xhat))
+    const Tensor dx = dx_.tensor(n, c_n, h, w);
+    const Vector gamma = gamma_, inv_std = inv_std_;
+    const float m = float(n) * float(h) * float(w);
+    Kokkos::parallel_for("nn::bn::input_grad", Kokkos::RangePolicy<ExecSpace>(0, n * c_n * h * w),
+                         KOKKOS_LAMBDA(const int i) {
+                           const int col = i % w, r = (i / w) % h, c = (i / (w * h)) % c_n, s = i / (w * h * c_n);
+                           dx(s, c, r, col) = gamma(c) * inv_std(c) / m *
+                                              (m * dy(s, c, r, col) - dbeta(c) - xhat(s, c, r, col) * dgamma(c));
+                         });
+    return dx;
+  }
+
+  std::vector<Param> params() const {
+    return {{"gamma", gamma_, dgamma_, false}, {"beta", beta_, dbeta_, false}};
+  }
+
+  int channels() const { return channels_; }
+  const Vector& gamma() const { return gamma_; }
+  const Vector& beta() const { return beta_; }
+  const Vector& gamma_grad() const { return dgamma_; }
+  const Vector& beta_grad() const { return dbeta_; }
+  const Vector& running_mean() const { return running_mean_; }
+  const Vector& running_var() const { return running_var_; }
+  /// \brief The normalised input \f$\hat{x}\f$ (N, C, H, W) of the last forward pass.
+  const Tensor& normalized_input() const { return xhat_view_; }
+  /// \brief Gradient of the loss wrt the output y from the last backward pass.
+  const Tensor& output_grad() const { return dy_; }
+
+ private:
+  int channels_;
+  double eps_, momentum_;
+  Vector gamma_, beta_, dgamma_, dbeta_, running_mean_, running_var_, inv_std_, mean_;
+  Buffer<float> xhat_, y_, dx_;
+  Tensor xhat_view_, dy_;
+};
+
+}  // namespace nn

@@ -1,0 +1,114 @@
+#pragma once
+/// \file network.hpp
+/// \brief A sequential network of named layers, and the two Fashion-MNIST models.
+
+#include "common/batch_norm2d.hpp"
+#include "common/conv2d.hpp"
+#include "common/dense.hpp"
+#include "common/flatten.hpp"
+#include "common/max_pool2d.hpp"
+#include "common/relu.hpp"
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace nn {
+
+/// \brief Every layer kind the network knows; code that must tell them apart (the K-FAC glue)
+/// visits the variant, so a new kind is a compile error there rather than a silent skip.
+using Layer = std::variant<Dense, Conv2d, BatchNorm2d, ReLU, MaxPool2d, Flatten>;
+
+class Network {
+ public:
+  void add(std::string name, Layer layer) { layers_.push_back({std::move(name), std::move(layer)}); }
+
+  /// \param x [in] (N, C, H, W); must stay alive until the next forward (layers keep it)
+  /// \return the logits (N, classes, 1, 1), owned by the last layer
+  Tensor forward(const Tensor& x, Mode mode) {
+    Tensor a = x;
+    for (auto& l : layers_) a = std::visit([&](auto& layer) { return layer.forward(a, mode); }, l.layer);
+    return a;
+  }
+
+  /// \brief Back-propagates the gradient of the loss wrt the logits; fills every parameter
+  /// gradient. Input gradients are computed only down to the first layer with parameters
+  /// (for the MLP that skips a 256x784 GEMM per step).
+  void backward(const Tensor& dlogits) {
+    std::size_t first_trainable = layers_.size();
+    for (std::size_t i = 0; i < layers_.size() && first_trainable == layers_.size(); ++i)
+      if (!std::visit([](const auto& layer) { return layer.params().empty(); }, layers_[i].layer))
+        first_trainable = i;
+    Tensor g = dlogits;
+    for (std::size_t i = layers_.size(); i-- > first_trainable;) {
+      const bool need_dx = i > first_trainable;
+      g = std::visit([&](auto& layer) { return layer.backward(g, need_dx); }, layers_[i].layer);
+    }
+  }
+
+  std::vector<Param> params() const {
+    std::vector<Param> all;
+    for (const auto& l : layers_)
+      for (Param p : std::visit([](const auto& layer) { return layer.params(); }, l.layer)) {
+        p.name = l.name + "." + p.name;
+        all.push_back(std::move(p));
+      }
+    return all;
+  }
+
+  /// \brief Calls f(name, layer) for each layer, with the layer as its concrete type.
+  template <class F>
+  void for_each_layer(F&& f) {
+    for (auto& l : layers_) std::visit([&](auto& layer) { f(l.name, layer); }, l.layer);
+  }
+
+  std::size_t size() const { return layers_.size(); }
+
+ private:
+  struct Named {
+    std::string name;
+    Layer layer;
+  };
+  std::vector<Named> layers_;
+};
+
+/// \brief 784-256-256-10 perceptron with ReLU.
+inline Network make_mlp(std::uint64_t seed) {
+  SplitMix64 rng(derive_seed(seed, 1));
+  Network net;
+  net.add("flatten", Flatten());
+  net.add("fc1", Dense(784, 256, true, Init::he, rng));
+  net.add("relu1", ReLU());
+  net.add("fc2", Dense(256, 256, true, Init::he, rng));
+  net.add("relu2", ReLU());
+  net.add("fc3", Dense(256, 10, true, Init::lecun, rng));
+  return net;
+}
+
+/// \brief conv(1->16,3x3,pad 1)-BN-ReLU-pool-conv(16->32,3x3,pad 1)-BN-ReLU-pool-dense(32*7*7->10).
+/// The convolutions have no bias: the BatchNorm after each would cancel it.
+inline Network make_cnn(std::uint64_t seed) {
+  SplitMix64 rng(derive_seed(seed, 1));
+  Network net;
+  net.add("conv1", Conv2d(Conv2dShape{1, 16, 3, 3}.with_padding(1).with_bias(false), Init::he, rng));
+  net.add("bn1", BatchNorm2d(16));
+  net.add("relu1", ReLU());
+  net.add("pool1", MaxPool2d());
+  net.add("conv2", Conv2d(Conv2dShape{16, 32, 3, 3}.with_padding(1).with_bias(false), Init::he, rng));
+  net.add("bn2", BatchNorm2d(32));
+  net.add("relu2", ReLU());
+  net.add("pool2", MaxPool2d());
+  net.add("flatten", Flatten());
+  net.add("fc", Dense(32 * 7 * 7, 10, true, Init::lecun, rng));
+  return net;
+}
+
+inline Network make_model(const std::string& name, std::uint64_t seed) {
+  if (name == "mlp") return make_mlp(seed);
+  if (name == "cnn") return make_cnn(seed);
+  throw std::invalid_argument("unknown model '" + name + "' (expected mlp or cnn)");
+}
+
+}  // namespace nn

@@ -1,0 +1,138 @@
+#pragma once
+/// \file trainer.hpp
+/// \brief One model, one optimizer and one training set: the step that the demo times and the
+/// tests repeat.
+
+#include "common/adam.hpp"
+#include "common/cross_entropy.hpp"
+#include "common/dataset.hpp"
+#include "common/kfac_glue.hpp"
+#include "common/network.hpp"
+#include "common/sgd.hpp"
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <variant>
+
+namespace nn {
+
+enum class OptimizerKind { sgd, adam, kfac };
+
+inline const char* to_string(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::sgd: return "sgd";
+    case OptimizerKind::adam: return "adam";
+    case OptimizerKind::kfac: return "kfac";
+  }
+  return "?";
+}
+
+inline OptimizerKind parse_optimizer(const std::string& s) {
+  if (s == "sgd") return OptimizerKind::sgd;
+  if (s == "adam") return OptimizerKind::adam;
+  if (s == "kfac") return OptimizerKind::kfac;
+  throw std::invalid_argument("unknown optimizer '" + s + "' (expected sgd, adam, kfac or all)");
+}
+
+/// \brief Learning rates used when none is given.
+inline double default_lr(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::sgd: return 0.05;
+    case OptimizerKind::adam: return 1e-3;
+    case OptimizerKind::kfac: return 0.05;
+  }
+  return 0.0;
+}
+
+/// | type | name | description | default |
+/// |---|---|---|---|
+/// | string | model | "mlp" or "cnn" | mlp |
+/// | OptimizerKind | optimizer | sgd, adam or kfac | sgd |
+/// | int | batch | samples per step | 256 |
+/// | uint64 | seed | initialisation and shuffling | 1 |
+/// | double | lr | learning rate; 0 picks default_lr(optimizer) | 0 |
+/// | double | momentum | SGD and K-FAC momentum | 0.9 |
+/// | double | weight_decay | L2 on weights, every optimizer | 0 |
+/// | KfacSettings | kfac | K-FAC settings (its lr and momentum are overridden by the above) | {} |
+struct TrainSettings {
+  std::string model = "mlp";
+  OptimizerKind optimizer = OptimizerKind::sgd;
+  int batch = 256;
+  std::uint64_t seed = 1;
+  double lr = 0.0;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  KfacSettings kfac;
+};
+
+class Trainer {
+ public:
+  /// \param train [in] kept by reference-counted views; the caller may drop its copy
+  Trainer(const Dataset& train, const TrainSettings& s)
+      : settings_(s), net_(make_model(s.model, s.seed)), batcher_(train, s.batch, derive_seed(s.seed, 3)),
+        rule_(make_rule(net_, s)) {}
+
+  /// \brief Reshuffles for `epoch` (0-based); every epoch starts with this.
+  void start_epoch(int epoch) { batcher_.start_epoch(epoch); }
+  int steps_per_epoch() const { return batcher_.steps_per_epoch(); }
+  int batch_size() const { return batcher_.batch_size(); }
+
+  /// \brief One training step on batch `step` of the current epoch; returns once the device is
+  /// done, so that a host clock around it measures the step.
+  BatchStats step(int step) {
+    const Batch b = batcher_.get(step);
+    const Tensor logits = net_.forward(b.x, Mode::train);
+    const BatchStats stats = loss_.forward_backward(logits, b.y);
+    net_.backward(loss_.grad());
+    if (auto* sgd = std::get_if<Sgd>(&rule_)) sgd->step();
+    if (auto* adam = std::get_if<Adam>(&rule_)) adam->step();
+    if (auto* kfac = std::get_if<KfacSgd>(&rule_)) kfac->step(net_);
+    Kokkos::fence();
+    return stats;
+  }
+
+  /// \brief Loss and accuracy on a whole dataset in evaluation mode (running BN statistics).
+  BatchStats evaluate(const Dataset& data, int batch = 500) {
+    BatchStats total;
+    for (int begin = 0; begin < data.size(); begin += batch) {
+      const int end = begin + batch < data.size() ? begin + batch : data.size();
+      const Batch b = slice(data, begin, end);
+      total += loss_.forward(net_.forward(b.x, Mode::eval), b.y);
+    }
+    return total;
+  }
+
+  Network& network() { return net_; }
+  const TrainSettings& settings() const { return settings_; }
+  double lr() const { return settings_.lr > 0 ? settings_.lr : default_lr(settings_.optimizer); }
+
+ private:
+  using Rule = std::variant<Sgd, Adam, KfacSgd>;
+
+  static Rule make_rule(Network& net, const TrainSettings& s) {
+    const double lr = s.lr > 0 ? s.lr : default_lr(s.optimizer);
+    switch (s.optimizer) {
+      case OptimizerKind::sgd:
+        return Sgd(net.params(), SgdOptions{}.with_lr(lr).with_momentum(s.momentum).with_weight_decay(s.weight_decay));
+      case OptimizerKind::adam:
+        return Adam(net.params(), AdamOptions{}.with_lr(lr).with_weight_decay(s.weight_decay));
+      case OptimizerKind::kfac: {
+        KfacSettings k = s.kfac;
+        k.lr = lr;
+        k.momentum = s.momentum;
+        k.weight_decay = s.weight_decay;
+        return KfacSgd(net, k);
+      }
+    }
+    throw std::logic_error("unreachable");
+  }
+
+  TrainSettings settings_;
+  Network net_;
+  Batcher batcher_;
+  SoftmaxCrossEntropy loss_;
+  Rule rule_;
+};
+
+}  // namespace nn

@@ -1,0 +1,231 @@
+/// \file main.cpp
+/// \brief Fashion-MNIST demo: trains one small network with SGD, Adam and K-FAC from the same
+/// initialisation and batch order, and compares test accuracy against training wall time.
+///
+/// Wall time counts training steps only; test-set evaluations (several per epoch) are excluded
+/// from it, so optimizers are compared on the work that produces the model.
+
+#include "common/trainer.hpp"
+#include "fashion_mnist/report.hpp"
+
+#include <Kokkos_Core.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <sys/stat.h>
+#include <vector>
+
+// OpenBLAS's thread control. Weak, so the demo still links against another BLAS.
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+
+namespace {
+
+struct Args {
+  std::string optimizer = "all";
+  nn::TrainSettings train;
+  int epochs = 10;
+  int threads = 0;
+  std::string out = "results";
+  std::string data = "/usr/share/datasets/fashion-mnist";
+  int train_subset = 0;
+  int test_subset = 0;
+  int eval_every = 0;
+  double target_acc = 0.88;
+  bool append = false;
+};
+
+void usage() {
+  std::printf(
+      "usage: fashion_mnist [options]\n"
+      "  --optimizer sgd|adam|kfac|all   optimizers to run, from the same start (default all)\n"
+      "  --model mlp|cnn                 784-256-256-10 MLP, or a 2-conv BatchNorm net (default mlp)\n"
+      "  --epochs N                      epochs per optimizer (default 10)\n"
+      "  --batch N                       samples per step (default 256)\n"
+      "  --lr X                          learning rate (default: sgd %.3g, adam %.3g, kfac %.3g)\n"
+      "  --momentum X                    SGD / K-FAC momentum (default 0.9)\n"
+      "  --weight-decay X                L2 on weights (default 0)\n"
+      "  --damping X --kl-clip X --factor-decay X --inv-every N --factor-every N   K-FAC settings\n"
+      "  --seed N                        initialisation and shuffling seed (default 1)\n"
+      "  --threads N                     BLAS threads (default: leave OpenBLAS's choice)\n"
+      "  --out DIR                       where log.csv and accuracy.png go (default results)\n"
+      "  --append                        append to DIR/log.csv instead of starting it afresh\n"
+      "  --data DIR                      Fashion-MNIST files (default /usr/share/datasets/fashion-mnist)\n"
+      "  --train-subset N --test-subset N   use only the first N samples\n"
+      "  --eval-every N                  evaluate every N steps (default: 4 times per epoch)\n"
+      "  --target-acc X                  accuracy for the time-to-target column (default 0.88)\n",
+      nn::default_lr(nn::OptimizerKind::sgd), nn::default_lr(nn::OptimizerKind::adam),
+      nn::default_lr(nn::OptimizerKind::kfac));
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string key = argv[i], value;
+    if (key == "-h" || key == "--help") {
+      usage();
+      std::exit(0);
+    }
+    if (key == "--append") {
+      a.append = true;
+      continue;
+    }
+    const auto eq = key.find('=');
+    if (eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key = key.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      throw std::invalid_argument(key + " needs a value");
+    }
+    auto num = [&](auto& dst) {
+      try {
+        std::size_t used = 0;
+        const double v = std::stod(value, &used);
+        if (used != value.size()) throw std::invalid_argument("");
+        dst = static_cast<std::remove_reference_t<decltype(dst)>>(v);
+      } catch (const std::exception&) {
+        throw std::invalid_argument(key + ": '" + value + "' is not a number");
+      }
+    };
+    if (key == "--optimizer") a.optimizer = value;
+    else if (key == "--model") a.train.model = value;
+    else if (key == "--epochs") num(a.epochs);
+    else if (key == "--batch") num(a.train.batch);
+    else if (key == "--lr") num(a.train.lr);
+    else if (key == "--momentum") num(a.train.momentum);
+    else if (key == "--weight-decay") num(a.train.weight_decay);
+    else if (key == "--damping") num(a.train.kfac.damping);
+    else if (key == "--kl-clip") num(a.train.kfac.kl_clip);
+    else if (key == "--factor-decay") num(a.train.kfac.factor_decay);
+    else if (key == "--inv-every") num(a.train.kfac.inv_update_steps);
+    else if (key == "--factor-every") num(a.train.kfac.factor_update_steps);
+    else if (key == "--seed") num(a.train.seed);
+    else if (key == "--threads") num(a.threads);
+    else if (key == "--out") a.out = value;
+    else if (key == "--data") a.data = value;
+    else if (key == "--train-subset") num(a.train_subset);
+    else if (key == "--test-subset") num(a.test_subset);
+    else if (key == "--eval-every") num(a.eval_every);
+    else if (key == "--target-acc") num(a.target_acc);
+    else throw std::invalid_argument("unknown option " + key + " (see --help)");
+  }
+  if (a.epochs < 1 || a.train.batch < 1) throw std::invalid_argument("--epochs and --batch must be >= 1");
+  return a;
+}
+
+std::vector<nn::OptimizerKind> optimizers(const std::string& s) {
+  if (s != "all") return {nn::parse_optimizer(s)};
+  std::vector<nn::OptimizerKind> all{nn::OptimizerKind::sgd, nn::OptimizerKind::adam};
+  if (KFAC_EXAMPLES_HAVE_KFAC) all.push_back(nn::OptimizerKind::kfac);
+  else std::printf("note: built without kfac; comparing sgd and adam only\n");
+  return all;
+}
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+demo::RunSummary train_one(const Args& args, nn::OptimizerKind kind, const nn::Dataset& train,
+                           const nn::Dataset& test, demo::CsvLog& log) {
+  nn::TrainSettings s = args.train;
+  s.optimizer = kind;
+  nn::Trainer trainer(train, s);
+  const int steps = trainer.steps_per_epoch();
+  const int eval_every = args.eval_every > 0 ? args.eval_every : (steps >= 4 ? steps / 4 : 1);
+  const long total_steps = long(steps) * args.epochs;
+  const std::string name = nn::to_string(kind);
+  std::printf("[%s] lr %g, %d steps/epoch of %d samples, test every %d steps\n", name.c_str(), trainer.lr(), steps,
+              trainer.batch_size(), eval_every);
+
+  demo::RunSummary run;
+  run.optimizer = name;
+  demo::Progress progress;
+  const Clock::time_point start = Clock::now();
+  double train_s = 0.0, loss_since_eval = 0.0;
+  long step = 0, steps_since_eval = 0;
+
+  auto evaluate = [&](int epoch) {
+    const double acc = trainer.evaluate(test).accuracy();
+    const double loss = steps_since_eval ? loss_since_eval / double(steps_since_eval)
+                                         : std::numeric_limits<double>::quiet_NaN();
+    run.evals.push_back({epoch, step, train_s, loss, acc});
+    log.row(name, s.seed, run.evals.back());
+    loss_since_eval = 0.0;
+    steps_since_eval = 0;
+  };
+  evaluate(0);
+
+  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
+    trainer.start_epoch(epoch - 1);
+    nn::BatchStats epoch_stats;
+    for (int i = 0; i < steps; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      const nn::BatchStats b = trainer.step(i);
+      train_s += seconds_since(t0);
+      ++step;
+      epoch_stats += b;
+      loss_since_eval += b.mean_loss();
+      ++steps_since_eval;
+      if (!std::isfinite(b.loss_sum)) throw std::runtime_error(name + ": the training loss diverged (try a smaller --lr)");
+      if (step % eval_every == 0 || i + 1 == steps) evaluate(epoch);
+
+      const double wall = seconds_since(start);
+      const double eta = wall / double(step) * double(total_steps - step);
+      char line[256];
+      std::snprintf(line, sizeof line,
+                    "[%s] epoch %d/%d step %d/%d  loss %.4f  train acc %.2f%%  test acc %.2f%%  %.0f samples/s  "
+                    "train %s  ETA %s",
+                    name.c_str(), epoch, args.epochs, i + 1, steps, epoch_stats.mean_loss(),
+                    100 * epoch_stats.accuracy(), 100 * run.evals.back().test_acc,
+                    double(step) * trainer.batch_size() / train_s, demo::format_seconds(train_s).c_str(),
+                    demo::format_seconds(eta).c_str());
+      if (i + 1 == steps) progress.finish(line);
+      else progress.update(line, wall);
+    }
+  }
+  run.train_s = train_s;
+  run.total_s = seconds_since(start);
+  return run;
+}
+
+int run(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  if (args.threads > 0) {
+    if (openblas_set_num_threads) openblas_set_num_threads(args.threads);
+    else std::printf("note: --threads ignored (the BLAS in use is not OpenBLAS)\n");
+  }
+  const std::vector<nn::OptimizerKind> kinds = optimizers(args.optimizer);
+  mkdir(args.out.c_str(), 0777);  // an existing directory is fine; CsvLog reports real failures
+
+  const nn::Dataset train = nn::load_fashion_mnist(args.data, "train", args.train_subset);
+  const nn::Dataset test = nn::load_fashion_mnist(args.data, "t10k", args.test_subset);
+  std::printf("Fashion-MNIST: %d training and %d test images; model %s, batch %d, seed %llu\n", train.size(),
+              test.size(), args.train.model.c_str(), args.train.batch, (unsigned long long)args.train.seed);
+  std::printf("times count training steps only (test evaluations are excluded)\n");
+
+  demo::CsvLog log(args.out + "/log.csv", args.append);
+  std::vector<demo::RunSummary> runs;
+  for (nn::OptimizerKind k : kinds) runs.push_back(train_one(args, k, train, test, log));
+
+  demo::print_summary(runs, args.target_acc);
+  std::printf("log: %s\n", log.path().c_str());
+  demo::plot(args.out, log.path(), runs, args.train.seed,
+             "Fashion-MNIST " + args.train.model + ", batch " + std::to_string(args.train.batch) + ", seed " +
+                 std::to_string(args.train.seed));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,179 @@
+#pragma once
+/// \file batch_norm_layer.hpp
+/// \brief BatchNorm scale-and-shift preconditioned with the unit-wise or diagonal Fisher.
+
+#include <string>
+#include <vector>
+
+#include "kfac/factors/factor_policies.hpp"
+#include "kfac/impl/layer_base.hpp"
+#include "kfac/layers/batch_norm.hpp"
+#include "kfac/precision.hpp"
+
+namespace kfac {
+
+/// \brief Per-channel Fisher blocks of BatchNorm (Osawa et al. 2019).
+///
+/// Per channel c the running Fisher is \f$F_c = E_n[(g^\gamma, g^\beta)^T (g^\gamma, g^\beta)]\f$
+/// (3 stored values). kfac::UnitWise preconditions with \f$(F_c + \gamma I)^{-1}\f$ (2x2, closed
+/// form); kfac::Diagonal with \f$\mathrm{diag}(F_c) + \gamma\f$.
+template <class FactorPolicy, class Prec, class Scalar, class Exec>
+class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
+  static_assert(std::is_same<FactorPolicy, UnitWise>::value ||
+                    std::is_same<FactorPolicy, Diagonal>::value,
+                "BatchNorm2d takes the factor policy kfac::UnitWise or kfac::Diagonal");
+  using F = typename Prec::factor_type;
+  using D = typename Prec::decomposition_type;
+  using Stored = Kokkos::View<Scalar****, Kokkos::LayoutRight, typename Exec::memory_space>;
+
+ public:
+  using base = impl::LayerBase<Scalar, Exec>;
+  using typename base::grad_matrix;
+  using typename base::grad_vector;
+  using typename base::tensor_type;
+
+  BatchNormLayer(std::string name, const BatchNorm2d& layer)
+      : base(std::move(name)), layer_(layer), c_(layer.channels()),
+        sums_("kfac::bn::sums", c_, 3) {}
+
+  const char* kind() const override { return BatchNorm2d::kind; }
+  std::string signature() const override {
+    return layer_.describe() + "/" + FactorPolicy::name + "/f" + std::to_string(sizeof(F)) + "d" +
+           std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
+  }
+  index_t weight_rows() const override { return c_; }
+  index_t weight_cols() const override { return 1; }
+  bool has_bias() const override { return true; }
+
+  std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
+  std::string check_output_grad(const impl::Extents& e) const override {
+    if (inputs_.size() <= grads_)
+      return "output gradient observed without a matching normalized input (call observe_input first)";
+    return layer_.check_output_grad(e, impl::extents_of(inputs_[grads_]));
+  }
+
+  void observe_input(const Exec& exec, const tensor_type& x) override {
+    Stored copy(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::bn::xhat"), x.extent(0),
+                x.extent(1), x.extent(2), x.extent(3));
+    Kokkos::deep_copy(exec, copy, x);
+    inputs_.push_back(copy);
+  }
+
+  /// Adds the per-sample (gamma, beta) gradient products of one micro-batch to the sums.
+  void observe_output_grad(const Exec& exec, const tensor_type& dy, double scale) override {
+    const auto xhat = inputs_[grads_];
+    const auto sums = sums_;
+    const int n = int(dy.extent(0)), hw_h = int(dy.extent(2)), hw_w = int(dy.extent(3));
+    const double s = scale;
+    Kokkos::parallel_for(
+        "kfac::bn::per_sample", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
+          double gg = 0, gb = 0, bb = 0;
+          for (int k = 0; k < n; ++k) {
+            double g_gamma = 0, g_beta = 0;
+            for (int i = 0; i < hw_h; ++i)
+              for (int j = 0; j < hw_w; ++j) {
+                const double d = s * double(dy(k, c, i, j));
+                g_gamma += d * double(xhat(k, c, i, j));
+                g_beta += d;
+              }
+            gg += g_gamma * g_gamma;
+            gb += g_gamma * g_beta;
+            bb += g_beta * g_beta;
+          }
+          sums(c, 0) += gg;
+          sums(c, 1) += gb;
+          sums(c, 2) += bb;
+        });
+    ++grads_;
+    samples_ += n;
+  }
+  std::string observations_problem() const override {
+    if (inputs_.empty()) return "no observations were given";
+    if (grads_ != inputs_.size())
+      return "observed " + std::to_string(inputs_.size()) + " inputs but " +
+             std::to_string(grads_) + " output gradients";
+    return {};
+  }
+  void clear_observations() override {
+    inputs_.clear();
+    grads_ = 0;
+    samples_ = 0;
+    Kokkos::deep_copy(sums_, 0.0);
+  }
+
+  void update_factors(const Exec& exec, double decay) override {
+    if (!has_factors_) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
+    const double old_w = has_factors_ ? decay : 0.0, new_w = (has_factors_ ? 1.0 - decay : 1.0) / double(samples_);
+    auto f = f_;
+    auto sums = sums_;
+    Kokkos::parallel_for(
+        "kfac::bn::update", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>(exec, {0, 0}, {c_, 3}),
+        KOKKOS_LAMBDA(int c, int k) { f(c, k) = F(old_w * double(f(c, k)) + new_w * sums(c, k)); });
+    has_factors_ = true;
+    clear_observations();
+  }
+  bool has_factors() const override { return has_factors_; }
+  void update_decomposition(const Exec&, double, bool) override { has_decomposition_ = true; }
+  bool has_decomposition() const override { return has_decomposition_; }
+
+  double precondition(const Exec& exec, const grad_matrix& w, const grad_vector& b,
+                      double damping) override {
+    if (out_.extent(0) == 0) out_ = Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::out", c_, 2);
+    auto f = f_;
+    auto out = out_;
+    const D d = D(damping);
+    double vg = 0;
+    Kokkos::parallel_reduce(
+        "kfac::bn::solve", Kokkos::RangePolicy<Exec>(exec, 0, c_),
+        KOKKOS_LAMBDA(int c, double& s) {
+          const D xg = D(w(c, 0)), xb = D(b(c));
+          const D a = D(f(c, 0)) + d, off = D(f(c, 1)), e = D(f(c, 2)) + d;
+          D vg_, vb_;
+          if (std::is_same<FactorPolicy, UnitWise>::value) {
+            const D det = a * e - off * off;
+            vg_ = (e * xg - off * xb) / det;
+            vb_ = (a * xb - off * xg) / det;
+          } else {
+            vg_ = xg / a;
+            vb_ = xb / e;
+          }
+          out(c, 0) = vg_;
+          out(c, 1) = vb_;
+          s += double(vg_) * double(xg) + double(vb_) * double(xb);
+        },
+        vg);
+    return vg;
+  }
+  void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
+                  double nu) override {
+    auto out = out_;
+    const D scale = D(nu);
+    Kokkos::parallel_for(
+        "kfac::bn::store", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
+          w(c, 0) = Scalar(scale * out(c, 0));
+          b(c) = Scalar(scale * out(c, 1));
+        });
+  }
+  MemoryReport memory() const override {
+    MemoryReport r{this->name(), kind(), f_.size() * sizeof(F), 0, out_.size() * sizeof(D)};
+    r.workspace_bytes += sums_.size() * sizeof(double);
+    for (const auto& v : inputs_) r.workspace_bytes += v.size() * sizeof(Scalar);
+    return r;
+  }
+
+  /// (C x 3) running Fisher blocks: columns (gamma-gamma, gamma-beta, beta-beta).
+  const Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>& fisher() const { return f_; }
+
+ private:
+  BatchNorm2d layer_;
+  int c_;
+  std::vector<Stored> inputs_;
+  std::size_t grads_ = 0;
+  long samples_ = 0;
+  Kokkos::View<double**, Kokkos::LayoutLeft, typename Exec::memory_space> sums_;
+  Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space> f_;
+  Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space> out_;
+  bool has_factors_ = false, has_decomposition_ = false;
+};
+
+}  // namespace kfac

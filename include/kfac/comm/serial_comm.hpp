@@ -1,0 +1,25 @@
+#pragma once
+/// \file serial_comm.hpp
+/// \brief The single-process communicator: every collective is the identity.
+
+#include <cstddef>
+#include <string>
+
+namespace kfac {
+
+/// \brief Communicator policy for one process. Same interface as kfac::MpiComm, so a
+/// single-rank build is complete without MPI.
+class SerialComm {
+ public:
+  int rank() const { return 0; }
+  int size() const { return 1; }
+  /// Bytes this rank has sent through collectives (always 0 here).
+  std::size_t bytes_sent() const { return 0; }
+  /// Sum over ranks of a host value.
+  double allreduce_sum(double v) const { return v; }
+  long allreduce_max(long v) const { return v; }
+  /// True when every rank passed the same string (registration consistency check).
+  bool all_equal(const std::string&) const { return true; }
+};
+
+}  // namespace kfac

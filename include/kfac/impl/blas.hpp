@@ -1,0 +1,307 @@
+#pragma once
+// Dense linear algebra kfac needs, each dispatched to a vendor library where one serves the
+// execution space (BLAS/LAPACK on the host, cuBLAS/cuSOLVER on CUDA) and to a portable Kokkos
+// implementation otherwise. The portable path is always compiled and always tested.
+#include <KokkosBlas3_gemm.hpp>
+#include <Kokkos_Core.hpp>
+#include <string>
+
+#include "kfac/error.hpp"
+#include "kfac/impl/math.hpp"
+#if defined(KFAC_HAVE_CUSOLVER)
+#include "kfac/impl/cusolver.hpp"
+#endif
+
+#if defined(KFAC_HAVE_LAPACK)
+#include <cblas.h>
+#include <lapacke.h>
+#endif
+
+namespace kfac {
+
+/// \brief Backend tags for the decompositions of the inversion policies.
+/// `AutoBackend` uses a vendor library where one serves the execution space (LAPACK on the
+/// host, cuSOLVER on CUDA) and the portable Kokkos implementation otherwise; `PortableBackend`
+/// always uses the portable one (slow, O(n^3) on one thread for the eigensolver, but it runs
+/// on any backend and is the reference the vendor paths are tested against).
+struct AutoBackend {};
+struct PortableBackend {};
+
+namespace impl {
+
+#if defined(KFAC_HAVE_LAPACK)
+inline int lapack_syevd(int n, double* a, int ld, double* w) {
+  return LAPACKE_dsyevd(LAPACK_COL_MAJOR, 'V', 'U', n, a, ld, w);
+}
+inline int lapack_syevd(int n, float* a, int ld, float* w) {
+  return LAPACKE_ssyevd(LAPACK_COL_MAJOR, 'V', 'U', n, a, ld, w);
+}
+inline int lapack_potrf(int n, double* a, int ld) { return LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', n, a, ld); }
+inline int lapack_potrf(int n, float* a, int ld) { return LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', n, a, ld); }
+inline int lapack_potri(int n, double* a, int ld) { return LAPACKE_dpotri(LAPACK_COL_MAJOR, 'U', n, a, ld); }
+inline int lapack_potri(int n, float* a, int ld) { return LAPACKE_spotri(LAPACK_COL_MAJOR, 'U', n, a, ld); }
+inline void blas_syrk(int n, int k, double alpha, const double* r, int ldr, double beta, double* c, int ldc) {
+  cblas_dsyrk(CblasColMajor, CblasUpper, CblasTrans, n, k, alpha, r, ldr, beta, c, ldc);
+}
+inline void blas_syrk(int n, int k, float alpha, const float* r, int ldr, float beta, float* c, int ldc) {
+  cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, n, k, alpha, r, ldr, beta, c, ldc);
+}
+#endif
+
+template <class Exec, class Backend>
+constexpr bool use_lapack_v =
+#if defined(KFAC_HAVE_LAPACK)
+    host_accessible_v<Exec> && std::is_same<Backend, AutoBackend>::value;
+#else
+    false;
+#endif
+
+/// C = alpha op(A) op(B) + beta C, on the execution space's default instance.
+template <class Exec, class A, class B, class C>
+void gemm(const Exec& exec, const char* ta, const char* tb, typename C::non_const_value_type alpha,
+          const A& a, const B& b, typename C::non_const_value_type beta, const C& c) {
+#if defined(KOKKOSKERNELS_VERSION) && KOKKOSKERNELS_VERSION >= 40000
+  KokkosBlas::gemm(exec, ta, tb, alpha, a, b, beta, c);
+#else
+  (void)exec;
+  KokkosBlas::gemm(ta, tb, alpha, a, b, beta, c);
+#endif
+}
+
+/// Upper triangle of C = alpha R^T R + beta C for R (k x n). The portable path computes the
+/// full product with GEMM; the BLAS path uses syrk (half the flops).
+template <class Exec, class T>
+void syrk_t_upper(const Exec& exec, T alpha, const Matrix<T, Exec>& r, T beta,
+                  const Matrix<T, Exec>& c) {
+  const int n = int(c.extent(0)), k = int(r.extent(0));
+  if (n == 0) return;
+#if defined(KFAC_HAVE_LAPACK)
+  if constexpr (host_accessible_v<Exec>) {
+    exec.fence();
+    const int ldr = k > 0 ? int(r.stride(1)) : 1, ldc = int(c.stride(1));
+    blas_syrk(n, k, alpha, r.data(), ldr > 0 ? ldr : 1, beta, c.data(), ldc);
+    return;
+  }
+#endif
+  gemm(exec, "T", "N", alpha, r, r, beta, c);
+}
+
+/// Copies the upper triangle of src into the whole of dst (symmetrizing, converting type).
+template <class Exec, class S, class D>
+void symmetric_copy(const Exec& exec, const S& src, const D& dst) {
+  using T = typename D::non_const_value_type;
+  const int n = int(src.extent(0));
+  Kokkos::parallel_for(
+      "kfac::linalg::symmetric_copy",
+      Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+      KOKKOS_LAMBDA(int i, int j) { dst(i, j) = T(i <= j ? src(i, j) : src(j, i)); });
+}
+
+/// Adds shift to the diagonal.
+template <class Exec, class M>
+void add_diagonal(const Exec& exec, const M& m, typename M::non_const_value_type shift) {
+  Kokkos::parallel_for(
+      "kfac::linalg::add_diagonal", Kokkos::RangePolicy<Exec>(exec, 0, int(m.extent(0))),
+      KOKKOS_LAMBDA(int i) { m(i, i) += shift; });
+}
+
+// ---------------------------------------------------------------- portable eigensolver
+/// Cyclic Jacobi on a symmetric matrix `a` (full, overwritten). On return q holds the
+/// eigenvectors as columns and w the eigenvalues in ascending order (LAPACK's convention).
+/// One thread does the work, so it runs on any backend; it is the reference implementation.
+template <class Exec, class T>
+void jacobi_eigh(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exec>& q,
+                 const Vector<T, Exec>& w) {
+  const int n = int(a.extent(0));
+  Kokkos::View<int, typename Exec::memory_space> converged("kfac::jacobi::converged");
+  Kokkos::parallel_for(
+      "kfac::linalg::jacobi_eigh", Kokkos::RangePolicy<Exec>(exec, 0, 1), KOKKOS_LAMBDA(int) {
+        for (int i = 0; i < n; ++i)
+          for (int j = 0; j < n; ++j) q(i, j) = T(i == j);
+        T norm2 = 0;
+        for (int j = 0; j < n; ++j)
+          for (int i = 0; i < n; ++i) norm2 += a(i, j) * a(i, j);
+        const T eps = sizeof(T) == 4 ? T(1e-7) : T(1e-15);
+        converged() = 0;
+        for (int sweep = 0; sweep < 60; ++sweep) {
+          T off = 0;
+          for (int j = 1; j < n; ++j)
+            for (int i = 0; i < j; ++i) off += a(i, j) * a(i, j);
+          if (off <= eps * eps * norm2) { converged() = 1; break; }
+          for (int p = 0; p < n - 1; ++p)
+            for (int r = p + 1; r < n; ++r) {
+              const T apr = a(p, r);
+              if (apr == T(0)) continue;
+              const T theta = (a(r, r) - a(p, p)) / (T(2) * apr);
+              const T t = (theta >= 0 ? T(1) : T(-1)) /
+                          (abs_(theta) + sqrt_(theta * theta + T(1)));
+              const T c = T(1) / sqrt_(t * t + T(1)), s = t * c;
+              for (int k = 0; k < n; ++k) {
+                const T akp = a(k, p), akr = a(k, r);
+                a(k, p) = c * akp - s * akr;
+                a(k, r) = s * akp + c * akr;
+              }
+              for (int k = 0; k < n; ++k) {
+                const T apk = a(p, k), ark = a(r, k);
+                a(p, k) = c * apk - s * ark;
+                a(r, k) = s * apk + c * ark;
+              }
+              for (int k = 0; k < n; ++k) {
+                const T qkp = q(k, p), qkr = q(k, r);
+                q(k, p) = c * qkp - s * qkr;
+                q(k, r) = s * qkp + c * qkr;
+              }
+            }
+        }
+        if (n <= 1) converged() = 1;
+        for (int i = 0; i < n; ++i) w(i) = a(i, i);
+        // selection sort, ascending, moving eigenvector columns along
+        for (int i = 0; i < n - 1; ++i) {
+          int m = i;
+          for (int j = i + 1; j < n; ++j)
+            if (w(j) < w(m)) m = j;
+          if (m != i) {
+            const T tw = w(i); w(i) = w(m); w(m) = tw;
+            for (int k = 0; k < n; ++k) { const T tq = q(k, i); q(k, i) = q(k, m); q(k, m) = tq; }
+          }
+        }
+      });
+  auto h = Kokkos::create_mirror_view(converged);
+  Kokkos::deep_copy(h, converged);
+  if (!h()) throw Error("", "Jacobi eigensolver did not converge in 60 sweeps");
+}
+
+/// Symmetric eigendecomposition of the upper triangle of `f`: q (eigenvectors, columns) and
+/// w (ascending eigenvalues). `f` is left untouched.
+template <class Backend, class Exec, class F, class T>
+void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T, Exec>& w) {
+  const int n = int(f.extent(0));
+  symmetric_copy(exec, f, q);
+#if defined(KFAC_HAVE_LAPACK)
+  if constexpr (use_lapack_v<Exec, Backend>) {
+    exec.fence();
+    const int info = lapack_syevd(n, q.data(), int(q.stride(1)), w.data());
+    if (info != 0) throw Error("", "LAPACK syevd failed with info = " + std::to_string(info));
+    return;
+  }
+#endif
+#if defined(KFAC_HAVE_CUSOLVER)
+  if constexpr (std::is_same<Exec, Kokkos::Cuda>::value && std::is_same<Backend, AutoBackend>::value) {
+    cusolver_eigh(exec, q, w);
+    return;
+  }
+#endif
+  Matrix<T, Exec> work(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigh::work"), n, n);
+  Kokkos::deep_copy(exec, work, q);
+  jacobi_eigh(exec, work, q, w);
+}
+
+/// Inverse of the symmetric positive definite matrix given by the upper triangle of `f`, plus
+/// `shift` on its diagonal, into `inv` (full). Throws when the matrix is not positive definite.
+template <class Backend, class Exec, class F, class T>
+void spd_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& inv) {
+  const int n = int(f.extent(0));
+  symmetric_copy(exec, f, inv);
+  add_diagonal(exec, inv, shift);
+#if defined(KFAC_HAVE_LAPACK)
+  if constexpr (use_lapack_v<Exec, Backend>) {
+    exec.fence();
+    const int ld = int(inv.stride(1));
+    int info = lapack_potrf(n, inv.data(), ld);
+    if (info > 0)
+      throw Error("", "Cholesky factorization broke down at column " + std::to_string(info) +
+                          ": factor + damping is not positive definite");
+    if (info == 0) info = lapack_potri(n, inv.data(), ld);
+    if (info != 0) throw Error("", "LAPACK potrf/potri failed with info = " + std::to_string(info));
+    Kokkos::parallel_for(
+        "kfac::linalg::mirror_upper", Kokkos::RangePolicy<Exec>(exec, 0, n),
+        KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) inv(i, j) = inv(j, i); });
+    return;
+  }
+#endif
+  // Portable: Cholesky L L^T on one thread, then one column of the inverse per thread.
+  Matrix<T, Exec> l(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::cholesky::l"), n, n);
+  Kokkos::deep_copy(exec, l, inv);
+  Kokkos::View<int, typename Exec::memory_space> bad("kfac::cholesky::bad");
+  Kokkos::parallel_for(
+      "kfac::linalg::cholesky", Kokkos::RangePolicy<Exec>(exec, 0, 1), KOKKOS_LAMBDA(int) {
+        for (int j = 0; j < n; ++j) {
+          T d = l(j, j);
+          for (int k = 0; k < j; ++k) d -= l(j, k) * l(j, k);
+          if (!(d > T(0))) { bad() = j + 1; return; }
+          d = sqrt_(d);
+          l(j, j) = d;
+          for (int i = j + 1; i < n; ++i) {
+            T s = l(i, j);
+            for (int k = 0; k < j; ++k) s -= l(i, k) * l(j, k);
+            l(i, j) = s / d;
+          }
+        }
+      });
+  auto hbad = Kokkos::create_mirror_view(bad);
+  Kokkos::deep_copy(hbad, bad);
+  if (hbad())
+    throw Error("", "Cholesky factorization broke down at column " + std::to_string(hbad()) +
+                        ": factor + damping is not positive definite");
+  Kokkos::parallel_for(
+      "kfac::linalg::cholesky_inverse", Kokkos::RangePolicy<Exec>(exec, 0, n), KOKKOS_LAMBDA(int c) {
+        for (int i = 0; i < n; ++i) {  // forward: L y = e_c
+          T s = T(i == c);
+          for (int k = 0; k < i; ++k) s -= l(i, k) * inv(k, c);
+          inv(i, c) = s / l(i, i);
+        }
+        for (int i = n - 1; i >= 0; --i) {  // backward: L^T x = y
+          T s = inv(i, c);
+          for (int k = i + 1; k < n; ++k) s -= l(k, i) * inv(k, c);
+          inv(i, c) = s / l(i, i);
+        }
+      });
+}
+
+/// Inverse of (upper triangle of f) + shift I by the Newton-Schulz iteration
+/// X <- X (2I - M X), started at X0 = I / ||M||_F. GEMM only, so it runs on any backend.
+template <class Exec, class F, class T>
+int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& x,
+                          int max_iterations = 100) {
+  const int n = int(f.extent(0));
+  Matrix<T, Exec> m("kfac::ns::m", n, n), t("kfac::ns::t", n, n), y("kfac::ns::y", n, n);
+  symmetric_copy(exec, f, m);
+  add_diagonal(exec, m, shift);
+  double fro2 = 0;
+  Kokkos::parallel_reduce(
+      "kfac::linalg::frobenius",
+      Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+      KOKKOS_LAMBDA(int i, int j, double& s) { s += double(m(i, j)) * double(m(i, j)); }, fro2);
+  const T inv_norm = T(1.0 / std::sqrt(fro2));
+  Kokkos::parallel_for(
+      "kfac::linalg::ns_init",
+      Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+      KOKKOS_LAMBDA(int i, int j) { x(i, j) = i == j ? inv_norm : T(0); });
+  const double tol = (sizeof(T) == 4 ? 1e-6 : 1e-14) * std::sqrt(double(n));
+  double previous = 1e300;
+  for (int it = 1; it <= max_iterations; ++it) {
+    gemm(exec, "N", "N", T(1), m, x, T(0), t);  // t = M X
+    double res2 = 0;
+    Kokkos::parallel_reduce(
+        "kfac::linalg::ns_residual",
+        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+        KOKKOS_LAMBDA(int i, int j, double& s) {
+          const double r = double(i == j) - double(t(i, j));
+          s += r * r;
+        },
+        res2);
+    const double res = std::sqrt(res2);
+    if (!std::isfinite(res)) throw Error("", "Newton-Schulz iteration diverged");
+    if (res < tol || (res < 1e-2 && res >= previous)) return it;  // converged or at round-off
+    previous = res;
+    // y = 2X - X t
+    Kokkos::deep_copy(exec, y, x);
+    gemm(exec, "N", "N", T(-1), x, t, T(2), y);
+    Kokkos::deep_copy(exec, x, y);
+  }
+  throw Error("", "Newton-Schulz iteration did not converge in " + std::to_string(max_iterations) +
+                      " iterations (increase damping)");
+}
+
+}  // namespace impl
+}  // namespace kfac

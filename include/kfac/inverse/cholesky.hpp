@@ -1,0 +1,58 @@
+#pragma once
+/// \file cholesky.hpp
+/// \brief Damped explicit inverses by Cholesky factorization.
+///
+/// Uses the factored Tikhonov damping of Martens & Grosse (2015) with \f$\pi = 1\f$:
+/// \f[ V = (G + \sqrt{\gamma} I)^{-1} X (A + \sqrt{\gamma} I)^{-1}. \f]
+/// The damping is baked in when the inverse is computed (every inv_update_steps).
+
+#include <cmath>
+
+#include "kfac/impl/blas.hpp"
+
+namespace kfac {
+
+namespace impl {
+/// Shared by the policies that hold explicit damped inverses.
+template <class T, class Exec>
+struct ExplicitInverse {
+  Matrix<T, Exec> inv;
+  explicit ExplicitInverse(index_t n = 0)
+      : inv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::inverse"), n, n) {}
+  std::size_t bytes() const { return inv.size() * sizeof(T); }
+};
+
+template <class T, class Exec>
+void apply_explicit_inverses(const Exec& exec, const Matrix<T, Exec>& inv_a,
+                             const Matrix<T, Exec>& inv_g, const Matrix<T, Exec>& x,
+                             const Matrix<T, Exec>& work, const Matrix<T, Exec>& out) {
+  gemm(exec, "N", "N", T(1), inv_g, x, T(0), work);
+  gemm(exec, "N", "N", T(1), work, inv_a, T(0), out);
+}
+}  // namespace impl
+
+/// \tparam Backend AutoBackend (LAPACK potrf/potri on the host) or PortableBackend.
+template <class Backend = AutoBackend>
+struct Cholesky {
+  static constexpr const char* name = "cholesky";
+  static constexpr bool damping_at_apply = false;
+
+  template <class T, class Exec>
+  struct Factorization : impl::ExplicitInverse<T, Exec> {
+    using impl::ExplicitInverse<T, Exec>::ExplicitInverse;
+    template <class F>
+    void compute(const Exec& exec, const F& factor, double damping) {
+      impl::spd_inverse<Backend>(exec, factor, T(std::sqrt(damping)), this->inv);
+    }
+  };
+
+  template <class T, class Exec>
+  static void apply(const Exec& exec, const Factorization<T, Exec>& a,
+                    const Factorization<T, Exec>& g, const impl::Matrix<T, Exec>& x, double,
+                    const impl::Matrix<T, Exec>&, const impl::Matrix<T, Exec>& work,
+                    const impl::Matrix<T, Exec>& out) {
+    impl::apply_explicit_inverses(exec, a.inv, g.inv, x, work, out);
+  }
+};
+
+}  // namespace kfac

@@ -1,0 +1,82 @@
+#pragma once
+/// \file eigendecomposition.hpp
+/// \brief Inverse-free preconditioning by eigendecomposition (KAISA, Pauloski et al. 2022).
+///
+/// With \f$A = Q_A \Lambda_A Q_A^T\f$ and \f$G = Q_G \Lambda_G Q_G^T\f$ (eigenvalues clamped at 0),
+/// the preconditioned gradient is the exact damped Kronecker solve
+/// \f[ V = Q_G \left[ (Q_G^T X Q_A) \oslash (\lambda_G \lambda_A^T + \gamma) \right] Q_A^T
+///       = \mathrm{mat}\left( (G \otimes A + \gamma I)^{-1} \mathrm{vec}(X) \right), \f]
+/// X of shape (g_dim, a_dim), vec row-major. The damping \f$\gamma\f$ is applied at
+/// preconditioning time, so it may change between decompositions, unless the reciprocal
+/// \f$1/(\lambda_G \lambda_A^T + \gamma)\f$ is precomputed (Options::precompute_reciprocal).
+
+#include "kfac/impl/blas.hpp"
+
+namespace kfac {
+
+/// \tparam Backend AutoBackend (LAPACK syevd on the host, cuSOLVER on CUDA) or PortableBackend.
+template <class Backend = AutoBackend>
+struct Eigendecomposition {
+  static constexpr const char* name = "eigen";
+  static constexpr bool damping_at_apply = true;
+
+  template <class T, class Exec>
+  struct Factorization {
+    impl::Matrix<T, Exec> q;
+    impl::Vector<T, Exec> lambda;
+
+    explicit Factorization(index_t n = 0)
+        : q(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::q"), n, n),
+          lambda("kfac::eigen::lambda", n) {}
+    std::size_t bytes() const { return (q.size() + lambda.size()) * sizeof(T); }
+
+    template <class F>
+    void compute(const Exec& exec, const F& factor, double /*damping*/) {
+      impl::eigh<Backend>(exec, factor, q, lambda);
+      auto l = lambda;
+      Kokkos::parallel_for(
+          "kfac::eigen::clamp", Kokkos::RangePolicy<Exec>(exec, 0, int(l.extent(0))),
+          KOKKOS_LAMBDA(int i) { if (!(l(i) > T(0))) l(i) = T(0); });
+    }
+  };
+
+  /// r = 1 / (lambda_G lambda_A^T + damping), shape (g, a).
+  template <class T, class Exec>
+  static void reciprocal(const Exec& exec, const Factorization<T, Exec>& a,
+                         const Factorization<T, Exec>& g, double damping,
+                         const impl::Matrix<T, Exec>& r) {
+    auto la = a.lambda;
+    auto lg = g.lambda;
+    const T d = T(damping);
+    Kokkos::parallel_for(
+        "kfac::eigen::reciprocal",
+        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(
+            exec, {0, 0}, {int(r.extent(0)), int(r.extent(1))}),
+        KOKKOS_LAMBDA(int i, int j) { r(i, j) = T(1) / (lg(i) * la(j) + d); });
+  }
+
+  /// out = preconditioned x; `work` has x's shape; `r` is the precomputed reciprocal or empty.
+  template <class T, class Exec>
+  static void apply(const Exec& exec, const Factorization<T, Exec>& a,
+                    const Factorization<T, Exec>& g, const impl::Matrix<T, Exec>& x,
+                    double damping, const impl::Matrix<T, Exec>& r,
+                    const impl::Matrix<T, Exec>& work, const impl::Matrix<T, Exec>& out) {
+    impl::gemm(exec, "T", "N", T(1), g.q, x, T(0), work);    // Q_G^T X
+    impl::gemm(exec, "N", "N", T(1), work, a.q, T(0), out);  // (Q_G^T X) Q_A
+    auto la = a.lambda;
+    auto lg = g.lambda;
+    const T d = T(damping);
+    const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
+    Kokkos::parallel_for(
+        "kfac::eigen::scale",
+        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(
+            exec, {0, 0}, {int(out.extent(0)), int(out.extent(1))}),
+        KOKKOS_LAMBDA(int i, int j) {
+          out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d);
+        });
+    impl::gemm(exec, "N", "N", T(1), g.q, out, T(0), work);  // Q_G (...)
+    impl::gemm(exec, "N", "T", T(1), work, a.q, T(0), out);  // (...) Q_A^T
+  }
+};
+
+}  // namespace kfac

@@ -1,0 +1,246 @@
+#pragma once
+/// \file kronecker_layer.hpp
+/// \brief One Kronecker-factored layer, composed from a layer-type, factor, inversion and
+/// precision policy.
+
+#include <string>
+#include <vector>
+
+#include "kfac/factors/factor_policies.hpp"
+#include "kfac/impl/layer_base.hpp"
+#include "kfac/precision.hpp"
+
+namespace kfac {
+
+/// \brief K-FAC state of one layer whose Fisher block is approximated by \f$G \otimes A\f$.
+/// \tparam LayerType Dense or Conv2d: how observations become factor statistics.
+/// \tparam FactorPolicy Full, Symmetric or Diagonal.
+/// \tparam InversePolicy Eigendecomposition<>, Cholesky<> or NewtonSchulz (ignored for Diagonal,
+///         whose damped inverse is closed-form).
+/// \tparam Prec Precision<Factor, Decomposition>.
+/// \tparam Scalar the host framework's type of observations and gradients.
+/// \tparam Exec the Kokkos execution space.
+template <class LayerType, class FactorPolicy, class InversePolicy, class Prec, class Scalar,
+          class Exec>
+class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
+  static_assert(LayerType::is_kronecker, "KroneckerLayer needs a Kronecker layer type");
+  using F = typename Prec::factor_type;
+  using D = typename Prec::decomposition_type;
+  using FMatrix = impl::Matrix<F, Exec>;
+  using DMatrix = impl::Matrix<D, Exec>;
+  using Fact = typename InversePolicy::template Factorization<D, Exec>;
+  static constexpr bool diagonal = FactorPolicy::is_diagonal;
+
+ public:
+  using base = impl::LayerBase<Scalar, Exec>;
+  using typename base::grad_matrix;
+  using typename base::grad_vector;
+  using typename base::tensor_type;
+
+  KroneckerLayer(std::string name, const LayerType& layer)
+      : base(std::move(name)), layer_(layer), na_(layer.a_dim()), ng_(layer.g_dim()) {}
+
+  const LayerType& layer() const { return layer_; }
+  const char* kind() const override { return LayerType::kind; }
+  std::string signature() const override {
+    return layer_.describe() + "/" + FactorPolicy::name + "/" +
+           (diagonal ? "closed_form" : InversePolicy::name) + "/f" + std::to_string(sizeof(F)) +
+           "d" + std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
+  }
+  index_t weight_rows() const override { return layer_.weight_rows(); }
+  index_t weight_cols() const override { return layer_.weight_cols(); }
+  bool has_bias() const override { return layer_.bias(); }
+
+  std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
+  std::string check_output_grad(const impl::Extents& e) const override {
+    return layer_.check_output_grad(e, last_input_);
+  }
+
+  void observe_input(const Exec& exec, const tensor_type& x) override {
+    const auto e = impl::extents_of(x);
+    FMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
+                 layer_.a_rows(e), na_);
+    layer_.fill_a_rows(exec, x, rows);
+    a_rows_.push_back(rows);
+    a_norm_ += layer_.a_normalizer(e);
+    a_samples_ += e[0];
+    last_input_ = e;
+  }
+  void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
+    const auto e = impl::extents_of(g);
+    FMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
+                 layer_.g_rows(e), ng_);
+    layer_.fill_g_rows(exec, g, scale, rows);
+    g_rows_.push_back(rows);
+    g_norm_ += layer_.g_normalizer(e);
+    g_samples_ += e[0];
+  }
+  std::string observations_problem() const override {
+    if (a_rows_.empty() && g_rows_.empty()) return "no observations were given";
+    if (a_rows_.empty()) return "no input was observed";
+    if (g_rows_.empty()) return "no output gradient was observed";
+    if (a_samples_ != g_samples_)
+      return "observed " + std::to_string(a_samples_) + " input samples but " +
+             std::to_string(g_samples_) + " output-gradient samples";
+    return {};
+  }
+  void clear_observations() override {
+    a_rows_.clear();
+    g_rows_.clear();
+    a_norm_ = g_norm_ = 0;
+    a_samples_ = g_samples_ = 0;
+  }
+
+  void update_factors(const Exec& exec, double decay) override {
+    if (!has_factors_) {
+      a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
+      g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
+    }
+    accumulate(exec, a_rows_, a_norm_, decay, a_);
+    accumulate(exec, g_rows_, g_norm_, decay, g_);
+    has_factors_ = true;
+    clear_observations();
+  }
+  bool has_factors() const override { return has_factors_; }
+
+  void update_decomposition(const Exec& exec, double damping, bool precompute) override {
+    if constexpr (!diagonal) {
+      if (!fa_) { fa_ = std::make_unique<Fact>(na_); fg_ = std::make_unique<Fact>(ng_); }
+      has_decomposition_ = false;
+      fa_->compute(exec, a_, damping);
+      fg_->compute(exec, g_, damping);
+      if constexpr (InversePolicy::damping_at_apply) {
+        if (precompute) {
+          if (reciprocal_.extent(0) == 0) reciprocal_ = DMatrix("kfac::layer::reciprocal", ng_, na_);
+          InversePolicy::reciprocal(exec, *fa_, *fg_, damping, reciprocal_);
+        } else {
+          reciprocal_ = DMatrix();
+        }
+      }
+    } else {
+      (void)exec; (void)damping; (void)precompute;
+    }
+    has_decomposition_ = true;
+  }
+  bool has_decomposition() const override { return has_decomposition_; }
+
+  double precondition(const Exec& exec, const grad_matrix& w, const grad_vector& b,
+                      double damping) override {
+    ensure_workspace();
+    auto x = x_;
+    const int rows = ng_, cols = int(w.extent(1));
+    const bool bias = layer_.bias();
+    Kokkos::parallel_for(
+        "kfac::layer::load_gradient",
+        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
+                                                                            {rows, na_}),
+        KOKKOS_LAMBDA(int i, int j) { x(i, j) = D(j < cols ? w(i, j) : b(i)); });
+    (void)bias;
+    if constexpr (diagonal) {
+      auto out = out_;
+      auto a = a_;
+      auto g = g_;
+      const D d = D(damping);
+      Kokkos::parallel_for(
+          "kfac::layer::diagonal_solve",
+          Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
+                                                                              {rows, na_}),
+          KOKKOS_LAMBDA(int i, int j) { out(i, j) = x(i, j) / (D(g(i, 0)) * D(a(j, 0)) + d); });
+    } else {
+      InversePolicy::apply(exec, *fa_, *fg_, x_, damping, reciprocal_, work_, out_);
+    }
+    double vg = 0;
+    auto out = out_;
+    Kokkos::parallel_reduce(
+        "kfac::layer::vg_sum",
+        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
+                                                                            {rows, na_}),
+        KOKKOS_LAMBDA(int i, int j, double& s) { s += double(out(i, j)) * double(x(i, j)); }, vg);
+    return vg;
+  }
+
+  void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
+                  double nu) override {
+    auto out = out_;
+    const int rows = ng_, cols = int(w.extent(1)), total = na_;
+    const D scale = D(nu);
+    Kokkos::parallel_for(
+        "kfac::layer::store_gradient",
+        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
+                                                                            {rows, total}),
+        KOKKOS_LAMBDA(int i, int j) {
+          const Scalar v = Scalar(scale * out(i, j));
+          if (j < cols) w(i, j) = v; else b(i) = v;
+        });
+  }
+
+  MemoryReport memory() const override {
+    MemoryReport r{this->name(), kind(), 0, 0, 0};
+    r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
+    if (fa_) r.decomposition_bytes = fa_->bytes() + fg_->bytes();
+    r.decomposition_bytes += reciprocal_.size() * sizeof(D);
+    r.workspace_bytes = (x_.size() + work_.size() + out_.size()) * sizeof(D);
+    for (const auto& v : a_rows_) r.workspace_bytes += v.size() * sizeof(F);
+    for (const auto& v : g_rows_) r.workspace_bytes += v.size() * sizeof(F);
+    return r;
+  }
+
+  // ---- read access for tests, distribution and checkpoints
+  /// Factor A: (a_dim x a_dim) with the upper triangle valid (the whole matrix for Full), or
+  /// (a_dim x 1) for Diagonal.
+  const FMatrix& factor_a() const { return a_; }
+  const FMatrix& factor_g() const { return g_; }
+  const Fact* decomposition_a() const { return fa_.get(); }
+  const Fact* decomposition_g() const { return fg_.get(); }
+
+ private:
+  void ensure_workspace() {
+    if (x_.extent(0) == 0) {
+      x_ = DMatrix("kfac::layer::x", ng_, na_);
+      out_ = DMatrix("kfac::layer::out", ng_, na_);
+      if (!diagonal) work_ = DMatrix("kfac::layer::work", ng_, na_);
+    }
+  }
+
+  /// f = decay f + (1 - decay) sum_k rows_k^T rows_k / norm (f = the new value on the first update).
+  void accumulate(const Exec& exec, const std::vector<FMatrix>& list, double norm, double decay,
+                  const FMatrix& f) {
+    const double new_weight = has_factors_ ? 1.0 - decay : 1.0;
+    const F alpha = F(new_weight / norm);
+    for (std::size_t k = 0; k < list.size(); ++k) {
+      const F beta = k > 0 ? F(1) : F(has_factors_ ? decay : 0.0);
+      if constexpr (diagonal) {
+        const auto rows = list[k];
+        const int m = int(rows.extent(0));
+        Kokkos::parallel_for(
+            "kfac::layer::diagonal_factor", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(0))),
+            KOKKOS_LAMBDA(int j) {
+              F s = 0;
+              for (int r = 0; r < m; ++r) s += rows(r, j) * rows(r, j);
+              f(j, 0) = beta * f(j, 0) + alpha * s;
+            });
+      } else {
+        impl::syrk_t_upper(exec, alpha, list[k], beta, f);
+      }
+    }
+    if constexpr (std::is_same<FactorPolicy, Full>::value) {
+      const int n = int(f.extent(0));
+      Kokkos::parallel_for(
+          "kfac::layer::symmetrize", Kokkos::RangePolicy<Exec>(exec, 0, n),
+          KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) f(i, j) = f(j, i); });
+    }
+  }
+
+  LayerType layer_;
+  index_t na_, ng_;
+  impl::Extents last_input_{0, 0, 0, 0};
+  std::vector<FMatrix> a_rows_, g_rows_;
+  double a_norm_ = 0, g_norm_ = 0;
+  long a_samples_ = 0, g_samples_ = 0;
+  FMatrix a_, g_;
+  bool has_factors_ = false, has_decomposition_ = false;
+  std::unique_ptr<Fact> fa_, fg_;
+  DMatrix reciprocal_, x_, work_, out_;
+};
+
+}  // namespace kfac

@@ -1,0 +1,310 @@
+#pragma once
+/// \file preconditioner.hpp
+/// \brief The K-FAC preconditioner: holds any mix of layers and runs the per-step schedule.
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kfac/batch_norm_layer.hpp"
+#include "kfac/comm/serial_comm.hpp"
+#include "kfac/inverse/eigendecomposition.hpp"
+#include "kfac/kronecker_layer.hpp"
+#include "kfac/layers/batch_norm.hpp"
+#include "kfac/layers/conv2d.hpp"
+#include "kfac/layers/dense.hpp"
+#include "kfac/options.hpp"
+
+namespace kfac {
+
+namespace impl {
+template <class LayerType>
+struct default_factor {
+  using type = Symmetric;
+};
+template <>
+struct default_factor<BatchNorm2d> {
+  using type = UnitWise;
+};
+}  // namespace impl
+
+/// \brief K-FAC preconditioner for a set of named layers.
+///
+/// Per training step the host code (1) observes each layer's input and output gradient on
+/// factor-update steps (wants_observations()), (2) hands over each layer's gradient with
+/// set_gradient(), (3) calls step(), which in order: updates the running factors (every
+/// factor_update_steps), recomputes decompositions (every inv_update_steps), preconditions every
+/// gradient in place and rescales all of them by the KL-clip factor
+/// \f$\nu = \min(1, \sqrt{\kappa / (\eta^2 \sum_l \langle V_l, \nabla_l \rangle)})\f$.
+///
+/// Factor and decomposition updates happen at steps \f$s_0 = 0\f$,
+/// \f$s_{k+1} = s_k + \mathrm{interval}(s_k)\f$ — for constant intervals k: steps 0, k, 2k, ...
+///
+/// \tparam Scalar the type of the host framework's observations and gradients.
+/// \tparam Exec a Kokkos execution space; all views must be accessible from it.
+/// \tparam Comm a communicator policy (SerialComm, or MpiComm for distributed K-FAC).
+template <class Scalar = double, class Exec = Kokkos::DefaultExecutionSpace,
+          class Comm = SerialComm>
+class Preconditioner {
+ public:
+  using scalar_type = Scalar;
+  using execution_space = Exec;
+  using memory_space = typename Exec::memory_space;
+  using layer_base = impl::LayerBase<Scalar, Exec>;
+
+  explicit Preconditioner(Options options = Options{}, Exec exec = Exec{}, Comm comm = Comm{})
+      : options_(std::move(options)), exec_(std::move(exec)), comm_(std::move(comm)) {
+    StepValues::at(options_, 0);  // reject bad constants at construction
+  }
+
+  /// \brief Registers a layer under a unique name.
+  /// \tparam LayerType Dense, Conv2d or BatchNorm2d.
+  /// \tparam FactorPolicy Symmetric (default), Full or Diagonal; UnitWise (default) or Diagonal
+  ///         for BatchNorm2d.
+  /// \tparam InversePolicy Eigendecomposition<> (default), Cholesky<> or NewtonSchulz.
+  /// \tparam Prec Precision<factor, decomposition>; defaults to Scalar for both.
+  template <class LayerType, class FactorPolicy = typename impl::default_factor<LayerType>::type,
+            class InversePolicy = Eigendecomposition<>, class Prec = Precision<Scalar>>
+  void register_layer(const std::string& name, const LayerType& layer) {
+    static_assert(impl::is_precision<Prec>::value, "kfac: Prec must be a kfac::Precision<...>");
+    if (name.empty()) throw Error("", "register_layer: a layer name must not be empty");
+    if (index_.count(name)) throw Error(name, "a layer with this name is already registered");
+    std::unique_ptr<layer_base> p;
+    if constexpr (LayerType::is_kronecker) {
+      static_assert(!std::is_same<FactorPolicy, UnitWise>::value,
+                    "kfac: UnitWise is a BatchNorm2d factor policy");
+      static_assert(!FactorPolicy::is_diagonal ||
+                        std::is_same<InversePolicy, Eigendecomposition<>>::value,
+                    "kfac: Diagonal factors are inverted in closed form; leave the inversion "
+                    "policy at its default");
+      p = std::make_unique<KroneckerLayer<LayerType, FactorPolicy, InversePolicy, Prec, Scalar, Exec>>(
+          name, layer);
+    } else {
+      p = std::make_unique<BatchNormLayer<FactorPolicy, Prec, Scalar, Exec>>(name, layer);
+    }
+    index_[name] = layers_.size();
+    layers_.push_back(Entry{std::move(p), skipped(name, LayerType::kind)});
+  }
+
+  /// \brief True on factor-update steps: observations are used only then (and ignored otherwise).
+  bool wants_observations() const { return step_ >= next_factor_step_; }
+  /// \brief True when this step() will recompute decompositions.
+  bool will_decompose() const { return step_ >= next_inv_step_; }
+  /// \brief Number of completed step() calls.
+  long step_count() const { return step_; }
+  /// \brief Steps at which factors / decompositions were last updated (-1 if never).
+  long last_factor_step() const { return last_factor_step_; }
+  long last_decomposition_step() const { return last_inv_step_; }
+  const Options& options() const { return options_; }
+  const Exec& execution_space_instance() const { return exec_; }
+  const Comm& communicator() const { return comm_; }
+  std::vector<std::string> layer_names() const {
+    std::vector<std::string> v;
+    for (const auto& e : layers_) v.push_back(e.layer->name());
+    return v;
+  }
+
+  /// \brief The activations entering a layer: (batch, in) for Dense, (N, C, H, W) for Conv2d,
+  /// the normalized input xhat for BatchNorm2d. Row-major (LayoutRight) and contiguous.
+  template <class View>
+  void observe_input(const std::string& name, const View& x) {
+    auto& e = entry(name);
+    auto t = as_tensor(name, x, "input");
+    fail_if(name, e.layer->check_input(impl::extents_of(t)));
+    if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
+    if (!wants_observations() || e.skipped) return;
+    check_finite(name, t, "input");
+    e.layer->observe_input(exec_, t);
+  }
+
+  /// \brief The gradient of the loss with respect to the layer's output (pre-activation),
+  /// as the host framework computed it for the reduced loss (see Options::loss_reduction).
+  template <class View>
+  void observe_output_grad(const std::string& name, const View& g) {
+    auto& e = entry(name);
+    auto t = as_tensor(name, g, "output gradient");
+    if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
+    if (!wants_observations() || e.skipped) return;
+    fail_if(name, e.layer->check_output_grad(impl::extents_of(t)));
+    check_finite(name, t, "output gradient");
+    const double scale =
+        options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0;
+    e.layer->observe_output_grad(exec_, t, scale);
+  }
+
+  /// \brief The gradient to precondition in place at the next step(): the weight gradient
+  /// (out, in) or, for Conv2d, (O, C, kh, kw); and the bias gradient (out), or an empty view
+  /// for a layer without bias. For BatchNorm2d: (dgamma, dbeta). The views must stay valid
+  /// until step() returns.
+  template <class W, class B = Kokkos::View<Scalar*, memory_space>>
+  void set_gradient(const std::string& name, const W& weight, const B& bias = B()) {
+    auto& e = entry(name);
+    static_assert(std::is_same<typename W::non_const_value_type, Scalar>::value &&
+                      std::is_same<typename B::non_const_value_type, Scalar>::value,
+                  "kfac::set_gradient: gradients must have the Preconditioner's Scalar type");
+    static_assert(Kokkos::SpaceAccessibility<Exec, typename W::memory_space>::accessible,
+                  "kfac::set_gradient: gradient not accessible from the execution space");
+    const index_t rows = e.layer->weight_rows(), cols = e.layer->weight_cols();
+    long n = 1;
+    for (unsigned r = 0; r < W::rank; ++r) n *= long(weight.extent(r));
+    if (long(weight.extent(0)) != rows || n != long(rows) * cols)
+      throw Error(name, "weight gradient has shape " + shape_string(weight) + ", expected " +
+                            std::to_string(rows) + " x " + std::to_string(cols) + " values");
+    if (!weight.span_is_contiguous() || (W::rank > 1 && !std::is_same<typename W::array_layout, Kokkos::LayoutRight>::value))
+      throw Error(name, "weight gradient must be a contiguous row-major (LayoutRight) view");
+    if (e.layer->has_bias() && (long(bias.extent(0)) != rows || !bias.span_is_contiguous()))
+      throw Error(name, "bias gradient has length " + std::to_string(bias.extent(0)) +
+                            ", expected a contiguous vector of length " + std::to_string(rows));
+    if (!e.layer->has_bias() && bias.extent(0) != 0)
+      throw Error(name, "layer has no bias but a bias gradient was given");
+    e.w = typename layer_base::grad_matrix(const_cast<Scalar*>(weight.data()), rows, cols);
+    e.b = typename layer_base::grad_vector(const_cast<Scalar*>(bias.data()), bias.extent(0));
+    e.has_gradient = true;
+  }
+
+  /// \brief Runs one K-FAC step; see the class description. On a kfac::Error nothing changed.
+  void step() {
+    const StepValues v = StepValues::at(options_, step_);
+    const bool factor_step = wants_observations(), inv_step = will_decompose();
+    // Validate everything before changing anything.
+    for (const auto& e : layers_) {
+      if (e.skipped) continue;
+      const auto& n = e.layer->name();
+      if (!e.has_gradient)
+        throw Error(n, "no gradient was set for step " + std::to_string(step_) +
+                           " (call set_gradient before step)");
+      if (factor_step) {
+        const std::string why = e.layer->observations_problem();
+        if (!why.empty())
+          throw Error(n, why + " before the factor update at step " + std::to_string(step_));
+      } else if (!e.layer->has_factors()) {
+        throw Error(n, "has no factors yet: it must be observed on a factor-update step before "
+                       "it can be preconditioned");
+      }
+    }
+    if (factor_step) {
+      for (auto& e : layers_)
+        if (!e.skipped) e.layer->update_factors(exec_, v.factor_decay);
+      last_factor_step_ = step_;
+      next_factor_step_ = step_ + v.factor_update_steps;
+    }
+    for (auto& e : layers_) {
+      if (e.skipped) continue;
+      if (inv_step || !e.layer->has_decomposition())
+        e.layer->update_decomposition(exec_, v.damping, options_.precompute_reciprocal);
+    }
+    if (inv_step) {
+      last_inv_step_ = step_;
+      next_inv_step_ = step_ + v.inv_update_steps;
+    }
+    double vg = 0;
+    for (auto& e : layers_)
+      if (!e.skipped) vg += e.layer->precondition(exec_, e.w, e.b, v.damping);
+    last_nu_ = 1.0;
+    if (v.kl_clip > 0 && vg != 0) last_nu_ = std::min(1.0, std::sqrt(v.kl_clip / std::abs(vg * v.lr * v.lr)));
+    for (auto& e : layers_)
+      if (!e.skipped) e.layer->write_back(exec_, e.w, e.b, last_nu_);
+    exec_.fence();
+    for (auto& e : layers_) {
+      e.has_gradient = false;
+      e.w = {};
+      e.b = {};
+    }
+    ++step_;
+  }
+
+  /// \brief The KL-clip scale applied by the last step().
+  double last_kl_scale() const { return last_nu_; }
+
+  /// \brief Memory held per layer.
+  std::vector<MemoryReport> memory_report() const {
+    std::vector<MemoryReport> r;
+    for (const auto& e : layers_) r.push_back(e.layer->memory());
+    return r;
+  }
+
+  /// \brief The layer object, for inspection (factors, decompositions). Throws if unknown.
+  const layer_base& layer(const std::string& name) const {
+    auto it = index_.find(name);
+    if (it == index_.end()) throw Error(name, "no layer with this name is registered");
+    return *layers_[it->second].layer;
+  }
+  /// \brief Typed access, e.g. `pre.layer_as<KroneckerLayer<...>>("fc1").factor_a()`.
+  template <class L>
+  const L& layer_as(const std::string& name) const {
+    const auto* p = dynamic_cast<const L*>(&layer(name));
+    if (!p) throw Error(name, "layer_as: the layer has a different policy combination");
+    return *p;
+  }
+  bool is_skipped(const std::string& name) const { return entry_c(name).skipped; }
+
+ private:
+  struct Entry {
+    std::unique_ptr<layer_base> layer;
+    bool skipped = false;
+    bool has_gradient = false;
+    typename layer_base::grad_matrix w;
+    typename layer_base::grad_vector b;
+  };
+
+  bool skipped(const std::string& name, const char* kind) const {
+    for (const auto& s : options_.skip_layers)
+      if (s == name || s == kind) return true;
+    return false;
+  }
+  Entry& entry(const std::string& name) { return const_cast<Entry&>(entry_c(name)); }
+  const Entry& entry_c(const std::string& name) const {
+    auto it = index_.find(name);
+    if (it == index_.end()) throw Error(name, "no layer with this name is registered");
+    return layers_[it->second];
+  }
+  static void fail_if(const std::string& name, const std::string& why) {
+    if (!why.empty()) throw Error(name, why);
+  }
+  template <class View>
+  static std::string shape_string(const View& v) {
+    long e[8] = {};
+    for (unsigned r = 0; r < View::rank; ++r) e[r] = long(v.extent(r));
+    return impl::extents_string(e, int(View::rank));
+  }
+
+  /// Row-major rank-2 (batch, features) or rank-4 (N, C, H, W) view -> unmanaged rank-4 view.
+  template <class View>
+  typename layer_base::tensor_type as_tensor(const std::string& name, const View& v,
+                                             const char* what) const {
+    static_assert(Kokkos::is_view<View>::value, "kfac: observations must be Kokkos views");
+    static_assert(View::rank == 2 || View::rank == 4,
+                  "kfac: observations are (batch, features) or (N, C, H, W) views");
+    static_assert(std::is_same<typename View::non_const_value_type, Scalar>::value,
+                  "kfac: observations must have the Preconditioner's Scalar type");
+    static_assert(Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible,
+                  "kfac: observation not accessible from the execution space");
+    if (!std::is_same<typename View::array_layout, Kokkos::LayoutRight>::value ||
+        !v.span_is_contiguous())
+      throw Error(name, std::string(what) + " must be a contiguous row-major (LayoutRight) view");
+    const std::size_t d2 = View::rank == 4 ? v.extent(2) : 1, d3 = View::rank == 4 ? v.extent(3) : 1;
+    return typename layer_base::tensor_type(v.data(), v.extent(0), v.extent(1), d2, d3);
+  }
+  template <class T>
+  void check_finite(const std::string& name, const T& t, const char* what) const {
+    const long bad = impl::count_nonfinite(exec_, t);
+    if (bad > 0)
+      throw Error(name, std::string(what) + " contains " + std::to_string(bad) +
+                            " NaN/Inf value(s); the observation was not used");
+  }
+
+  Options options_;
+  Exec exec_;
+  Comm comm_;
+  std::vector<Entry> layers_;
+  std::map<std::string, std::size_t> index_;
+  long step_ = 0, next_factor_step_ = 0, next_inv_step_ = 0;
+  long last_factor_step_ = -1, last_inv_step_ = -1;
+  double last_nu_ = 1.0;
+};
+
+}  // namespace kfac
