@@ -4,6 +4,23 @@
 #    ${Kokkos_INCLUDE_DIRS} is added explicitly;
 #  - Kokkos Kernels only provides the plain target trilinos_kokkoskernels (no namespaced target).
 # Standalone Kokkos / Kokkos Kernels installs (3.x, 4.x) provide Kokkos::kokkoskernels.
+# Drop include dirs that do not exist from Kokkos' imported targets (Debian lists
+# /usr/lib/include), which otherwise make CMake's generate step fail for consumers.
+foreach(tgt Kokkos::kokkos Kokkos::kokkoscore trilinos_kokkoscore trilinos_kokkoscontainers
+            trilinos_kokkosalgorithms trilinos_kokkoskernels)
+  if(TARGET ${tgt})
+    get_target_property(dirs ${tgt} INTERFACE_INCLUDE_DIRECTORIES)
+    if(dirs)
+      set(kept "")
+      foreach(d IN LISTS dirs)
+        if(d MATCHES "^\\$<" OR EXISTS "${d}")
+          list(APPEND kept "${d}")
+        endif()
+      endforeach()
+      set_property(TARGET ${tgt} PROPERTY INTERFACE_INCLUDE_DIRECTORIES "${kept}")
+    endif()
+  endif()
+endforeach()
 set(KFAC_KOKKOS_TARGETS Kokkos::kokkos)
 set(KFAC_KOKKOS_INCLUDE_DIRS "")
 if(TARGET Kokkos::kokkoskernels)

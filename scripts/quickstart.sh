@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds kfac's Fashion-MNIST example and runs the main job:
+# the MLP trained with SGD, Adam and K-FAC side by side, with a summary table and a plot.
+# Extra arguments go to the example (see examples/fashion_mnist/README or --help).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${KFAC_BUILD_DIR:-$root/build}
+"$root/scripts/install_deps.sh"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_TESTS=OFF -DKFAC_ENABLE_BENCHMARKS=OFF
+cmake --build "$build" -j "$(nproc)" --target fashion_mnist
+"$build/examples/fashion_mnist/fashion_mnist" --out "$root/results" "$@"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds kfac with its tests, examples and benchmarks, and runs the
+# whole test suite under ctest. Usage: scripts/test.sh [extra cmake args]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${KFAC_BUILD_DIR:-$root/build}
+"$root/scripts/install_deps.sh"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_TESTS=ON \
+  -DKFAC_ENABLE_EXAMPLES=ON -DKFAC_ENABLE_BENCHMARKS=ON "$@"
+cmake --build "$build" -j "$(nproc)"
+cd "$build"
+ctest --output-on-failure -j "${KFAC_TEST_JOBS:-1}"
