@@ -113,36 +113,63 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     clear_observations();
   }
   bool has_factors() const override { return has_factors_; }
-  void update_decomposition(const Exec&, double, bool) override { has_decomposition_ = true; }
-  bool has_decomposition() const override { return has_decomposition_; }
+  std::vector<impl::FactorBuffer> factors() override {
+    return {{impl::buffer_of(f_), index_t(3 * c_), false, false}};
+  }
 
-  double precondition(const Exec& exec, const grad_matrix& w, const grad_vector& b,
-                      double damping) override {
-    if (out_.extent(0) == 0) out_ = Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::out", c_, 2);
+  // Closed-form inverse: no decomposition to compute or communicate.
+  void decompose(const Exec&, int, double) override {}
+  void finish_decomposition(const Exec&, double, bool) override { has_decomposition_ = true; }
+  bool has_decomposition() const override { return has_decomposition_; }
+  std::vector<impl::Buffer> decomposition_buffers(int) override { return {}; }
+  void allocate_decomposition() override {}
+  double decomposition_flops(int) const override { return 0.0; }
+  double decomposition_memory(int) const override { return 0.0; }
+  int decomposed_factors() const override { return 0; }
+
+  void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
+    ensure_workspace();
+    auto x = x_;
+    Kokkos::parallel_for(
+        "kfac::bn::load_gradient", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
+          x(c, 0) = D(w(c, 0));
+          x(c, 1) = D(b(c));
+        });
+  }
+  void apply(const Exec& exec, double damping) override {
     auto f = f_;
+    auto x = x_;
     auto out = out_;
     const D d = D(damping);
-    double vg = 0;
-    Kokkos::parallel_reduce(
-        "kfac::bn::solve", Kokkos::RangePolicy<Exec>(exec, 0, c_),
-        KOKKOS_LAMBDA(int c, double& s) {
-          const D xg = D(w(c, 0)), xb = D(b(c));
+    Kokkos::parallel_for(
+        "kfac::bn::solve", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
+          const D xg = x(c, 0), xb = x(c, 1);
           const D a = D(f(c, 0)) + d, off = D(f(c, 1)), e = D(f(c, 2)) + d;
-          D vg_, vb_;
           if (std::is_same<FactorPolicy, UnitWise>::value) {
             const D det = a * e - off * off;
-            vg_ = (e * xg - off * xb) / det;
-            vb_ = (a * xb - off * xg) / det;
+            out(c, 0) = (e * xg - off * xb) / det;
+            out(c, 1) = (a * xb - off * xg) / det;
           } else {
-            vg_ = xg / a;
-            vb_ = xb / e;
+            out(c, 0) = xg / a;
+            out(c, 1) = xb / e;
           }
-          out(c, 0) = vg_;
-          out(c, 1) = vb_;
-          s += double(vg_) * double(xg) + double(vb_) * double(xb);
+        });
+  }
+  double inner_product(const Exec& exec) const override {
+    auto x = x_;
+    auto out = out_;
+    double vg = 0;
+    Kokkos::parallel_reduce(
+        "kfac::bn::vg_sum", Kokkos::RangePolicy<Exec>(exec, 0, c_),
+        KOKKOS_LAMBDA(int c, double& s) {
+          s += double(out(c, 0)) * double(x(c, 0)) + double(out(c, 1)) * double(x(c, 1));
         },
         vg);
     return vg;
+  }
+  impl::Buffer preconditioned() override {
+    ensure_workspace();
+    return impl::buffer_of(out_);
   }
   void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
                   double nu) override {
@@ -155,7 +182,8 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
         });
   }
   MemoryReport memory() const override {
-    MemoryReport r{this->name(), kind(), f_.size() * sizeof(F), 0, out_.size() * sizeof(D)};
+    MemoryReport r{this->name(), kind(), f_.size() * sizeof(F), 0,
+                   (x_.size() + out_.size()) * sizeof(D)};
     r.workspace_bytes += sums_.size() * sizeof(double);
     for (const auto& v : inputs_) r.workspace_bytes += v.size() * sizeof(Scalar);
     return r;
@@ -165,6 +193,13 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
   const Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>& fisher() const { return f_; }
 
  private:
+  void ensure_workspace() {
+    if (out_.extent(0) == 0) {
+      x_ = Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::x", c_, 2);
+      out_ = Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::out", c_, 2);
+    }
+  }
+
   BatchNorm2d layer_;
   int c_;
   std::vector<Stored> inputs_;
@@ -172,7 +207,7 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
   long samples_ = 0;
   Kokkos::View<double**, Kokkos::LayoutLeft, typename Exec::memory_space> sums_;
   Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space> f_;
-  Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space> out_;
+  Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space> x_, out_;
   bool has_factors_ = false, has_decomposition_ = false;
 };
 

@@ -103,19 +103,34 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   }
   bool has_factors() const override { return has_factors_; }
 
-  void update_decomposition(const Exec& exec, double damping, bool precompute) override {
-    if constexpr (!diagonal) {
+  std::vector<impl::FactorBuffer> factors() override {
+    if constexpr (diagonal)
+      return {{impl::buffer_of(a_), na_, false, false}, {impl::buffer_of(g_), ng_, false, false}};
+    else
+      return {{impl::buffer_of(a_), na_, true, FactorPolicy::packed},
+              {impl::buffer_of(g_), ng_, true, FactorPolicy::packed}};
+  }
+
+  void allocate_decomposition() override {
+    if constexpr (!diagonal)
       if (!fa_) { fa_ = std::make_unique<Fact>(na_); fg_ = std::make_unique<Fact>(ng_); }
-      has_decomposition_ = false;
-      fa_->compute(exec, a_, damping);
-      fg_->compute(exec, g_, damping);
-      if constexpr (InversePolicy::damping_at_apply) {
-        if (precompute) {
-          if (reciprocal_.extent(0) == 0) reciprocal_ = DMatrix("kfac::layer::reciprocal", ng_, na_);
-          InversePolicy::reciprocal(exec, *fa_, *fg_, damping, reciprocal_);
-        } else {
-          reciprocal_ = DMatrix();
-        }
+  }
+  void decompose(const Exec& exec, int which, double damping) override {
+    has_decomposition_ = false;
+    if constexpr (!diagonal) {
+      allocate_decomposition();
+      if (which == 0) fa_->compute(exec, a_, damping); else fg_->compute(exec, g_, damping);
+    } else {
+      (void)exec; (void)which; (void)damping;
+    }
+  }
+  void finish_decomposition(const Exec& exec, double damping, bool precompute) override {
+    if constexpr (!diagonal && InversePolicy::damping_at_apply) {
+      if (precompute) {
+        if (reciprocal_.extent(0) == 0) reciprocal_ = DMatrix("kfac::layer::reciprocal", ng_, na_);
+        InversePolicy::reciprocal(exec, *fa_, *fg_, damping, reciprocal_);
+      } else {
+        reciprocal_ = DMatrix();
       }
     } else {
       (void)exec; (void)damping; (void)precompute;
@@ -123,40 +138,64 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     has_decomposition_ = true;
   }
   bool has_decomposition() const override { return has_decomposition_; }
+  std::vector<impl::Buffer> decomposition_buffers(int which) override {
+    if constexpr (diagonal) {
+      (void)which;
+      return {};
+    } else {
+      return (which == 0 ? fa_ : fg_)->buffers();
+    }
+  }
+  double decomposition_flops(int which) const override {
+    const double n = which == 0 ? na_ : ng_;
+    return diagonal ? 0.0 : n * n * n;
+  }
+  double decomposition_memory(int which) const override {
+    const double n = which == 0 ? na_ : ng_;
+    return diagonal ? 0.0 : n * n;
+  }
+  int decomposed_factors() const override { return diagonal ? 0 : 2; }
 
-  double precondition(const Exec& exec, const grad_matrix& w, const grad_vector& b,
-                      double damping) override {
+  void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
     ensure_workspace();
     auto x = x_;
-    const int rows = ng_, cols = int(w.extent(1));
-    const bool bias = layer_.bias();
+    const int cols = int(w.extent(1));
     Kokkos::parallel_for(
         "kfac::layer::load_gradient",
         Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                            {rows, na_}),
+                                                                            {ng_, na_}),
         KOKKOS_LAMBDA(int i, int j) { x(i, j) = D(j < cols ? w(i, j) : b(i)); });
-    (void)bias;
+  }
+  void apply(const Exec& exec, double damping) override {
     if constexpr (diagonal) {
       auto out = out_;
+      auto x = x_;
       auto a = a_;
       auto g = g_;
       const D d = D(damping);
       Kokkos::parallel_for(
           "kfac::layer::diagonal_solve",
           Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                              {rows, na_}),
+                                                                              {ng_, na_}),
           KOKKOS_LAMBDA(int i, int j) { out(i, j) = x(i, j) / (D(g(i, 0)) * D(a(j, 0)) + d); });
     } else {
       InversePolicy::apply(exec, *fa_, *fg_, x_, damping, reciprocal_, work_, out_);
     }
+  }
+  double inner_product(const Exec& exec) const override {
     double vg = 0;
     auto out = out_;
+    auto x = x_;
     Kokkos::parallel_reduce(
         "kfac::layer::vg_sum",
         Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                            {rows, na_}),
+                                                                            {ng_, na_}),
         KOKKOS_LAMBDA(int i, int j, double& s) { s += double(out(i, j)) * double(x(i, j)); }, vg);
     return vg;
+  }
+  impl::Buffer preconditioned() override {
+    ensure_workspace();
+    return impl::buffer_of(out_);
   }
 
   void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/assignment.hpp"
+#include "kfac/comm/comm_precision.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
@@ -70,6 +72,11 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | LossReduction | loss_reduction | how the loss was reduced over the batch | mean |
 /// | bool | precompute_reciprocal | store 1/(lambda_G lambda_A^T + damping) at decomposition time | false |
 /// | vector<string> | skip_layers | layer names or kinds ("dense", "conv2d", "batch_norm") left unpreconditioned | {} |
+/// | double | grad_worker_fraction | KAISA gradient-worker fraction f in [1/world, 1] (1 = COMM-OPT) | 1.0 |
+/// | AssignmentCost | assignment_cost | what greedy placement balances: compute (n^3) or memory (n^2) | compute |
+/// | bool | colocate_factors | decompose a layer's A and G on the same rank | true |
+/// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
+/// | CommPrecision | comm_precision | payload type of factor averaging | native |
 struct Options {
   Hyperparameter<double> lr{0.1};
   Hyperparameter<double> damping{0.001};
@@ -80,6 +87,11 @@ struct Options {
   LossReduction loss_reduction = LossReduction::mean;
   bool precompute_reciprocal = false;
   std::vector<std::string> skip_layers;
+  double grad_worker_fraction = 1.0;
+  AssignmentCost assignment_cost = AssignmentCost::compute;
+  bool colocate_factors = true;
+  std::size_t bucket_bytes = std::size_t(16) << 20;
+  CommPrecision comm_precision = CommPrecision::native;
 
   Options& with_lr(Hyperparameter<double> v) { lr = std::move(v); return *this; }
   Options& with_damping(Hyperparameter<double> v) { damping = std::move(v); return *this; }
@@ -90,6 +102,11 @@ struct Options {
   Options& with_loss_reduction(LossReduction r) { loss_reduction = r; return *this; }
   Options& with_precompute_reciprocal(bool b) { precompute_reciprocal = b; return *this; }
   Options& with_skip_layers(std::vector<std::string> names) { skip_layers = std::move(names); return *this; }
+  Options& with_grad_worker_fraction(double f) { grad_worker_fraction = f; return *this; }
+  Options& with_assignment_cost(AssignmentCost c) { assignment_cost = c; return *this; }
+  Options& with_colocate_factors(bool b) { colocate_factors = b; return *this; }
+  Options& with_bucket_bytes(std::size_t b) { bucket_bytes = b; return *this; }
+  Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
 };
 
 /// \brief The hyperparameter values in force at one step, checked.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kfac/batch_norm_layer.hpp"
+#include "kfac/assignment.hpp"
 #include "kfac/comm/serial_comm.hpp"
 #include "kfac/inverse/eigendecomposition.hpp"
 #include "kfac/kronecker_layer.hpp"
@@ -87,7 +88,11 @@ class Preconditioner {
       p = std::make_unique<BatchNormLayer<FactorPolicy, Prec, Scalar, Exec>>(name, layer);
     }
     index_[name] = layers_.size();
-    layers_.push_back(Entry{std::move(p), skipped(name, LayerType::kind)});
+    Entry entry;
+    entry.layer = std::move(p);
+    entry.skipped = skipped(name, LayerType::kind);
+    layers_.push_back(std::move(entry));
+    registration_checked_ = false;
   }
 
   /// \brief True on factor-update steps: observations are used only then (and ignored otherwise).
@@ -186,26 +191,27 @@ class Preconditioner {
                        "it can be preconditioned");
       }
     }
+    if (!registration_checked_) check_registration();
     if (factor_step) {
       for (auto& e : layers_)
         if (!e.skipped) e.layer->update_factors(exec_, v.factor_decay);
+      average_factors();
       last_factor_step_ = step_;
       next_factor_step_ = step_ + v.factor_update_steps;
     }
-    for (auto& e : layers_) {
-      if (e.skipped) continue;
-      if (inv_step || !e.layer->has_decomposition())
-        e.layer->update_decomposition(exec_, v.damping, options_.precompute_reciprocal);
-    }
+    decompose(inv_step, v.damping);
     if (inv_step) {
       last_inv_step_ = step_;
       next_inv_step_ = step_ + v.inv_update_steps;
     }
+    precondition(v.damping);
+    // Every rank holds every V now, so every rank computes the same KL-clip scale.
     double vg = 0;
     for (auto& e : layers_)
-      if (!e.skipped) vg += e.layer->precondition(exec_, e.w, e.b, v.damping);
+      if (!e.skipped) vg += e.layer->inner_product(exec_);
     last_nu_ = 1.0;
-    if (v.kl_clip > 0 && vg != 0) last_nu_ = std::min(1.0, std::sqrt(v.kl_clip / std::abs(vg * v.lr * v.lr)));
+    if (v.kl_clip > 0 && vg != 0)
+      last_nu_ = std::min(1.0, std::sqrt(v.kl_clip / std::abs(vg * v.lr * v.lr)));
     for (auto& e : layers_)
       if (!e.skipped) e.layer->write_back(exec_, e.w, e.b, last_nu_);
     exec_.fence();
@@ -216,6 +222,40 @@ class Preconditioner {
     }
     ++step_;
   }
+
+  /// \brief Collective: checks that every rank registered the same layers, shapes, policies and
+  /// distribution options, and (re)computes the work assignment. Called by the first step()
+  /// after a registration; throws the same kfac::Error on every rank on a mismatch.
+  void check_registration() {
+    std::string sig = "f=" + std::to_string(options_.grad_worker_fraction) +
+                      ";c=" + std::to_string(int(options_.assignment_cost)) +
+                      ";co=" + std::to_string(int(options_.colocate_factors)) +
+                      ";p=" + std::to_string(int(options_.comm_precision)) + ";";
+    for (const auto& e : layers_)
+      sig += e.layer->name() + ":" + e.layer->signature() + (e.skipped ? ":skip" : "") + ";";
+    if (!comm_.all_equal(sig))
+      throw Error("", "ranks registered different layers, shapes, policies or distribution "
+                      "options (rank " + std::to_string(comm_.rank()) + " has: " + sig + ")");
+    std::vector<std::pair<double, double>> costs;
+    for (const auto& e : layers_) {
+      const bool mem = options_.assignment_cost == AssignmentCost::memory;
+      if (e.skipped) { costs.push_back({0.0, 0.0}); continue; }
+      costs.push_back({mem ? e.layer->decomposition_memory(0) : e.layer->decomposition_flops(0),
+                       mem ? e.layer->decomposition_memory(1) : e.layer->decomposition_flops(1)});
+    }
+    WorkAssignment next(comm_.size(), options_.grad_worker_fraction, costs, options_.colocate_factors);
+    if (!groups_made_) {
+      comm_.free_groups();
+      worker_comm_ = comm_.make_group(next.worker_group_of(comm_.rank()));
+      receiver_comm_ = comm_.make_group(next.receiver_group_of(comm_.rank()));
+      groups_made_ = true;
+    }
+    assignment_ = std::move(next);
+    registration_checked_ = true;
+  }
+
+  /// \brief The current work assignment (valid after the first step()).
+  const WorkAssignment& assignment() const { return assignment_; }
 
   /// \brief The KL-clip scale applied by the last step().
   double last_kl_scale() const { return last_nu_; }
@@ -250,6 +290,153 @@ class Preconditioner {
     typename layer_base::grad_matrix w;
     typename layer_base::grad_vector b;
   };
+
+  /// Averages every running factor over ranks, in buckets of at most bucket_bytes, symmetric
+  /// factors as packed upper triangles. The sum is bit-identical on all ranks.
+  void average_factors() {
+    if (comm_.size() == 1) return;
+    std::vector<impl::FactorBuffer> all;
+    for (auto& e : layers_)
+      if (!e.skipped)
+        for (auto& f : e.layer->factors()) all.push_back(f);
+    for (std::size_t size : {std::size_t(4), std::size_t(8)}) {
+      std::vector<impl::FactorBuffer> bucket;
+      std::size_t count = 0;
+      const std::size_t limit = std::max<std::size_t>(1, options_.bucket_bytes / size);
+      for (auto& f : all) {
+        if (f.storage.scalar_size != size) continue;
+        if (!bucket.empty() && count + f.payload_count() > limit) {
+          if (size == 4) sum_bucket<float>(bucket, count); else sum_bucket<double>(bucket, count);
+          bucket.clear();
+          count = 0;
+        }
+        bucket.push_back(f);
+        count += f.payload_count();
+      }
+      if (!bucket.empty()) {
+        if (size == 4) sum_bucket<float>(bucket, count); else sum_bucket<double>(bucket, count);
+      }
+    }
+  }
+  template <class T>
+  void sum_bucket(const std::vector<impl::FactorBuffer>& bucket, std::size_t count) {
+    using Flat = Kokkos::View<T*, memory_space>;
+    using Mat = Kokkos::View<T**, Kokkos::LayoutLeft, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+    if (staging_bytes_ < count * sizeof(T)) {
+      staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * sizeof(T));
+      staging_bytes_ = count * sizeof(T);
+    }
+    Kokkos::View<T*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(
+        reinterpret_cast<T*>(staging_.data()), count);
+    std::size_t off = 0;
+    for (const auto& f : bucket) {  // pack
+      const std::size_t o = off;
+      if (f.matrix) {
+        Mat m(static_cast<T*>(f.storage.data), f.n, f.n);
+        const int n = f.n;
+        if (f.packed)
+          Kokkos::parallel_for("kfac::comm::pack", Kokkos::RangePolicy<Exec>(exec_, 0, n),
+              KOKKOS_LAMBDA(int j) { for (int i = 0; i <= j; ++i) flat(o + std::size_t(j) * (j + 1) / 2 + i) = m(i, j); });
+        else
+          Kokkos::parallel_for("kfac::comm::pack_full", Kokkos::RangePolicy<Exec>(exec_, 0, n),
+              KOKKOS_LAMBDA(int j) { for (int i = 0; i < n; ++i) flat(o + std::size_t(j) * n + i) = m(i, j); });
+      } else {
+        const T* src = static_cast<const T*>(f.storage.data);
+        Kokkos::parallel_for("kfac::comm::pack_vector", Kokkos::RangePolicy<Exec>(exec_, 0, f.n),
+            KOKKOS_LAMBDA(int i) { flat(o + i) = src[i]; });
+      }
+      off += f.payload_count();
+    }
+    exec_.fence();
+    if constexpr (impl::host_accessible_v<Exec>) {
+      comm_.sum(flat.data(), count, sizeof(T), options_.comm_precision);
+    } else {
+      if (comm_.cuda_aware()) {
+        comm_.sum(flat.data(), count, sizeof(T), options_.comm_precision);
+      } else {
+        auto h = Kokkos::create_mirror_view(flat);
+        Kokkos::deep_copy(h, flat);
+        comm_.sum(h.data(), count, sizeof(T), options_.comm_precision);
+        Kokkos::deep_copy(flat, h);
+      }
+    }
+    const T inv_world = T(1) / T(comm_.size());
+    off = 0;
+    for (const auto& f : bucket) {  // unpack and average
+      const std::size_t o = off;
+      if (f.matrix) {
+        Mat m(static_cast<T*>(f.storage.data), f.n, f.n);
+        const int n = f.n;
+        if (f.packed)
+          Kokkos::parallel_for("kfac::comm::unpack", Kokkos::RangePolicy<Exec>(exec_, 0, n),
+              KOKKOS_LAMBDA(int j) { for (int i = 0; i <= j; ++i) m(i, j) = flat(o + std::size_t(j) * (j + 1) / 2 + i) * inv_world; });
+        else
+          Kokkos::parallel_for("kfac::comm::unpack_full", Kokkos::RangePolicy<Exec>(exec_, 0, n),
+              KOKKOS_LAMBDA(int j) { for (int i = 0; i < n; ++i) m(i, j) = flat(o + std::size_t(j) * n + i) * inv_world; });
+      } else {
+        T* dst = static_cast<T*>(f.storage.data);
+        Kokkos::parallel_for("kfac::comm::unpack_vector", Kokkos::RangePolicy<Exec>(exec_, 0, f.n),
+            KOKKOS_LAMBDA(int i) { dst[i] = flat(o + i) * inv_world; });
+      }
+      off += f.payload_count();
+    }
+    (void)sizeof(Flat);
+  }
+
+  /// Decompositions: each factor on its assigned rank, broadcast within the layer's worker group.
+  void decompose(bool inv_step, double damping) {
+    const int me = comm_.rank();
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      auto& e = layers_[l];
+      if (e.skipped || !(inv_step || !e.layer->has_decomposition())) continue;
+      if (e.layer->decomposed_factors() == 0) {
+        e.layer->finish_decomposition(exec_, damping, options_.precompute_reciprocal);
+        continue;
+      }
+      if (!assignment_.is_grad_worker(l, me)) continue;
+      e.layer->allocate_decomposition();
+      for (int which = 0; which < 2; ++which)
+        if (assignment_.decomposer(l, which) == me) e.layer->decompose(exec_, which, damping);
+      exec_.fence();
+      for (int which = 0; which < 2; ++which) {
+        const int root = assignment_.decomposer(l, which) % assignment_.grad_workers();
+        for (auto& b : e.layer->decomposition_buffers(which)) broadcast(b, root, worker_comm_);
+      }
+      e.layer->finish_decomposition(exec_, damping, options_.precompute_reciprocal);
+    }
+  }
+
+  /// Gradient workers precondition their layers; receivers get V from their group's worker.
+  void precondition(double damping) {
+    const int me = comm_.rank();
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      auto& e = layers_[l];
+      if (e.skipped) continue;
+      e.layer->load_gradient(exec_, e.w, e.b);
+      const bool local = e.layer->decomposed_factors() == 0;
+      if (local || assignment_.is_grad_worker(l, me)) e.layer->apply(exec_, damping);
+      if (local || assignment_.grad_workers() == comm_.size()) continue;
+      exec_.fence();
+      broadcast(e.layer->preconditioned(), assignment_.worker_group(l), receiver_comm_);
+    }
+  }
+
+  void broadcast(const impl::Buffer& b, int root, int group) {
+    if (comm_.size() == 1) return;
+    if constexpr (impl::host_accessible_v<Exec>) {
+      comm_.broadcast(b.data, b.bytes(), root, group);
+    } else {
+      if (comm_.cuda_aware()) {
+        comm_.broadcast(b.data, b.bytes(), root, group);
+      } else {
+        Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(static_cast<char*>(b.data), b.bytes());
+        auto h = Kokkos::create_mirror_view(d);
+        Kokkos::deep_copy(h, d);
+        comm_.broadcast(h.data(), b.bytes(), root, group);
+        Kokkos::deep_copy(d, h);
+      }
+    }
+  }
 
   bool skipped(const std::string& name, const char* kind) const {
     for (const auto& s : options_.skip_layers)
@@ -305,6 +492,11 @@ class Preconditioner {
   long step_ = 0, next_factor_step_ = 0, next_inv_step_ = 0;
   long last_factor_step_ = -1, last_inv_step_ = -1;
   double last_nu_ = 1.0;
+  bool registration_checked_ = false, groups_made_ = false;
+  int worker_comm_ = -1, receiver_comm_ = -1;
+  WorkAssignment assignment_;
+  Kokkos::View<char*, memory_space> staging_;
+  std::size_t staging_bytes_ = 0;
 };
 
 }  // namespace kfac

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <string>
 
+#include "kfac/comm/comm_precision.hpp"
+
 namespace kfac {
 
 /// \brief Communicator policy for one process. Same interface as kfac::MpiComm, so a
@@ -20,6 +22,11 @@ class SerialComm {
   long allreduce_max(long v) const { return v; }
   /// True when every rank passed the same string (registration consistency check).
   bool all_equal(const std::string&) const { return true; }
+  bool cuda_aware() const { return true; }
+  void sum(void*, std::size_t, std::size_t, CommPrecision) const {}
+  void broadcast(void*, std::size_t, int, int) const {}
+  int make_group(int) { return -1; }
+  void free_groups() {}
 };
 
 }  // namespace kfac

@@ -22,11 +22,24 @@ struct MemoryReport {
 
 namespace impl {
 
-/// A factor as a flat buffer of its stored values, for communication and checkpoints.
+/// A contiguous buffer of a layer's state, for communication and checkpoints.
+struct Buffer {
+  void* data = nullptr;
+  std::size_t count = 0;       ///< number of scalars
+  std::size_t scalar_size = 0; ///< 4 (float) or 8 (double)
+  std::size_t bytes() const { return count * scalar_size; }
+};
+
+/// A running factor as communicated: an n x n column-major matrix sent whole or as its packed
+/// upper triangle (n(n+1)/2 values), or a flat vector (diagonal, unit-wise: `n` values).
 struct FactorBuffer {
-  const char* which;  // "A", "G" or "F"
-  index_t n;          // matrix extent (n x n); for diagonal and unit-wise factors the entry count
-  bool packed;        // travels as the packed upper triangle
+  Buffer storage;
+  index_t n = 0;
+  bool matrix = false;  ///< n x n matrix (else a flat vector of n values)
+  bool packed = false;  ///< matrix travels as its upper triangle
+  std::size_t payload_count() const {
+    return matrix ? (packed ? std::size_t(n) * (n + 1) / 2 : std::size_t(n) * n) : std::size_t(n);
+  }
 };
 
 template <class Scalar, class Exec>
@@ -60,13 +73,32 @@ class LayerBase {
 
   virtual void update_factors(const Exec& exec, double decay) = 0;
   virtual bool has_factors() const = 0;
-  virtual void update_decomposition(const Exec& exec, double damping, bool precompute) = 0;
-  virtual bool has_decomposition() const = 0;
+  /// The running factors, for averaging across ranks and for checkpoints.
+  virtual std::vector<FactorBuffer> factors() = 0;
 
-  /// Preconditions (w, b) into an internal buffer and returns sum(v .* grad) for KL clipping.
-  virtual double precondition(const Exec& exec, const grad_matrix& w, const grad_vector& b,
-                              double damping) = 0;
-  /// Writes nu * v back into (w, b).
+  /// Decomposes factor `which` (0 = A, 1 = G), allocating both factorizations if needed.
+  virtual void decompose(const Exec& exec, int which, double damping) = 0;
+  /// Called once both factorizations are in place (computed here or received).
+  virtual void finish_decomposition(const Exec& exec, double damping, bool precompute) = 0;
+  virtual bool has_decomposition() const = 0;
+  /// The factorization of `which` as raw buffers (allocated by decompose or allocate_decomposition).
+  virtual std::vector<Buffer> decomposition_buffers(int which) = 0;
+  virtual void allocate_decomposition() = 0;
+  /// Relative cost of decomposing `which` (n^3) and of storing it (n^2).
+  virtual double decomposition_flops(int which) const = 0;
+  virtual double decomposition_memory(int which) const = 0;
+  /// Number of factors that need a decomposition (2 for Kronecker layers, 0 for closed forms).
+  virtual int decomposed_factors() const = 0;
+
+  /// Copies (w, b) into the layer's gradient buffer X.
+  virtual void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) = 0;
+  /// V = preconditioned X, into the layer's output buffer.
+  virtual void apply(const Exec& exec, double damping) = 0;
+  /// sum(V .* X), for KL clipping.
+  virtual double inner_product(const Exec& exec) const = 0;
+  /// The output buffer V (broadcast to gradient receivers).
+  virtual Buffer preconditioned() = 0;
+  /// Writes nu * V back into (w, b).
   virtual void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
                           double nu) = 0;
   virtual MemoryReport memory() const = 0;
@@ -74,6 +106,12 @@ class LayerBase {
  private:
   std::string name_;
 };
+
+template <class V>
+Buffer buffer_of(const V& v) {
+  return Buffer{const_cast<void*>(static_cast<const void*>(v.data())), v.span(),
+                sizeof(typename V::non_const_value_type)};
+}
 
 /// Counts the non-finite entries of any view, on its execution space.
 template <class Exec, class V>

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kfac/impl/blas.hpp"
+#include "kfac/impl/layer_base.hpp"
 
 namespace kfac {
 
@@ -20,6 +21,7 @@ struct ExplicitInverse {
   explicit ExplicitInverse(index_t n = 0)
       : inv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::inverse"), n, n) {}
   std::size_t bytes() const { return inv.size() * sizeof(T); }
+  std::vector<Buffer> buffers() const { return {buffer_of(inv)}; }
 };
 
 template <class T, class Exec>

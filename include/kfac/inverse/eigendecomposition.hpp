@@ -11,6 +11,7 @@
 /// \f$1/(\lambda_G \lambda_A^T + \gamma)\f$ is precomputed (Options::precompute_reciprocal).
 
 #include "kfac/impl/blas.hpp"
+#include "kfac/impl/layer_base.hpp"
 
 namespace kfac {
 
@@ -29,6 +30,7 @@ struct Eigendecomposition {
         : q(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::q"), n, n),
           lambda("kfac::eigen::lambda", n) {}
     std::size_t bytes() const { return (q.size() + lambda.size()) * sizeof(T); }
+    std::vector<impl::Buffer> buffers() const { return {impl::buffer_of(q), impl::buffer_of(lambda)}; }
 
     template <class F>
     void compute(const Exec& exec, const F& factor, double /*damping*/) {

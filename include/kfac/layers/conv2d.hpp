@@ -49,8 +49,11 @@ class Conv2d {
   index_t g_dim() const { return o_; }
   index_t weight_rows() const { return o_; }
   index_t weight_cols() const { return c_ * kh_ * kw_; }
-  index_t out_h(index_t h) const { return (h + 2 * ph_ - dh_ * (kh_ - 1) - 1) / sh_ + 1; }
-  index_t out_w(index_t w) const { return (w + 2 * pw_ - dw_ * (kw_ - 1) - 1) / sw_ + 1; }
+  /// Output extents, 0 when the (dilated) kernel does not fit inside the padded image. The
+  /// span is tested before dividing: C++ division truncates toward zero, so a span of -1
+  /// would otherwise give one output row.
+  index_t out_h(index_t h) const { return out_extent(h, ph_, dh_, kh_, sh_); }
+  index_t out_w(index_t w) const { return out_extent(w, pw_, dw_, kw_, sw_); }
   std::string describe() const {
     auto s = [](index_t v) { return std::to_string(v); };
     return std::string(kind) + "(c=" + s(c_) + ",o=" + s(o_) + ",k=" + s(kh_) + "x" + s(kw_) +
@@ -123,6 +126,11 @@ class Conv2d {
   }
 
  private:
+  static index_t out_extent(index_t in, index_t pad, index_t dil, index_t k, index_t stride) {
+    const index_t span = in + 2 * pad - dil * (k - 1) - 1;
+    return span < 0 ? 0 : span / stride + 1;
+  }
+
   index_t c_, o_, kh_, kw_;
   index_t sh_ = 1, sw_ = 1, ph_ = 0, pw_ = 0, dh_ = 1, dw_ = 1;
   bool bias_ = true;

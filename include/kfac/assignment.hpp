@@ -1,0 +1,111 @@
+#pragma once
+/// \file assignment.hpp
+/// \brief KAISA work assignment (Pauloski et al. 2022): who decomposes which factor, who
+/// preconditions which layer, who receives preconditioned gradients.
+///
+/// With world size W and gradient-worker fraction f, each layer has gw = f W gradient workers
+/// (gw must divide W). Ranks form W/gw worker groups of consecutive ranks
+/// {k gw, ..., k gw + gw - 1} and gw receiver groups {j, j + gw, j + 2 gw, ...}; each receiver group
+/// holds exactly one member of every worker group. A layer is owned by one worker group: its
+/// members hold both decompositions and compute the preconditioned gradient; rank k gw + j
+/// broadcasts it to receiver group j. f = 1 is COMM-OPT (every rank preconditions every layer,
+/// no gradient broadcast), f = 1/W is MEM-OPT (one rank per layer), values in between HYBRID.
+/// Layers go to worker groups and factors to ranks by greedy longest-processing-time first on
+/// a cost (n^3 compute or n^2 memory), optionally keeping a layer's A and G on one rank.
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "kfac/error.hpp"
+
+namespace kfac {
+
+/// \brief The cost a greedy assignment balances.
+enum class AssignmentCost { compute, memory };
+
+class WorkAssignment {
+ public:
+  WorkAssignment() = default;
+  /// \param world [in] number of ranks.
+  /// \param fraction [in] gradient-worker fraction f in [1/world, 1].
+  /// \param costs [in] per layer, the cost of decomposing A and G ({0, 0} for closed-form layers).
+  /// \param colocate [in] decompose a layer's A and G on the same rank.
+  WorkAssignment(int world, double fraction, const std::vector<std::pair<double, double>>& costs,
+                 bool colocate)
+      : world_(world) {
+    if (!(fraction >= 1.0 / world - 1e-12 && fraction <= 1.0 + 1e-12))
+      throw Error("", "grad_worker_fraction = " + std::to_string(fraction) + ": expected a value in [1/" +
+                          std::to_string(world) + ", 1]");
+    gw_ = std::max(1, int(std::lround(fraction * world)));
+    if (world % gw_ != 0)
+      throw Error("", "grad_worker_fraction = " + std::to_string(fraction) + " gives " +
+                          std::to_string(gw_) + " gradient workers, which does not divide the " +
+                          std::to_string(world) + " ranks");
+    const int groups = world / gw_;
+    const std::size_t n = costs.size();
+    group_.assign(n, 0);
+    decomposer_.assign(n, {0, 0});
+    std::vector<std::size_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return costs[a].first + costs[a].second > costs[b].first + costs[b].second;
+    });
+    std::vector<double> group_load(std::size_t(groups), 0.0), rank_load(std::size_t(world), 0.0);
+    auto least = [](const std::vector<double>& v, std::size_t lo, std::size_t hi) {
+      std::size_t best = lo;
+      for (std::size_t i = lo; i < hi; ++i)
+        if (v[i] < v[best]) best = i;
+      return best;
+    };
+    for (std::size_t l : order) {
+      const double c = costs[l].first + costs[l].second;
+      const std::size_t k = least(group_load, 0, group_load.size());
+      group_[l] = int(k);
+      group_load[k] += c;
+      const std::size_t lo = k * std::size_t(gw_), hi = lo + std::size_t(gw_);
+      if (colocate) {
+        const std::size_t r = least(rank_load, lo, hi);
+        decomposer_[l] = {int(r), int(r)};
+        rank_load[r] += c;
+      } else {
+        // larger factor first
+        const bool a_first = costs[l].first >= costs[l].second;
+        const double first = a_first ? costs[l].first : costs[l].second;
+        const double second = a_first ? costs[l].second : costs[l].first;
+        const std::size_t r1 = least(rank_load, lo, hi);
+        rank_load[r1] += first;
+        const std::size_t r2 = least(rank_load, lo, hi);
+        rank_load[r2] += second;
+        decomposer_[l] = a_first ? std::pair<int, int>{int(r1), int(r2)}
+                                 : std::pair<int, int>{int(r2), int(r1)};
+      }
+    }
+    rank_load_ = rank_load;
+  }
+
+  int world() const { return world_; }
+  int grad_workers() const { return gw_; }
+  /// Worker group (0 .. W/gw - 1) that owns layer l.
+  int worker_group(std::size_t l) const { return group_.at(l); }
+  /// Rank that decomposes factor `which` (0 = A, 1 = G) of layer l.
+  int decomposer(std::size_t l, int which) const {
+    return which == 0 ? decomposer_.at(l).first : decomposer_.at(l).second;
+  }
+  bool is_grad_worker(std::size_t l, int rank) const { return rank / gw_ == group_.at(l); }
+  /// Worker group and receiver group a rank belongs to.
+  int worker_group_of(int rank) const { return rank / gw_; }
+  int receiver_group_of(int rank) const { return rank % gw_; }
+  /// Decomposition cost assigned to each rank.
+  const std::vector<double>& rank_load() const { return rank_load_; }
+
+ private:
+  int world_ = 1, gw_ = 1;
+  std::vector<int> group_;
+  std::vector<std::pair<int, int>> decomposer_;
+  std::vector<double> rank_load_;
+};
+
+}  // namespace kfac

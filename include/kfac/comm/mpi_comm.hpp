@@ -1,0 +1,175 @@
+#pragma once
+/// \file mpi_comm.hpp
+/// \brief MPI communicator policy for distributed K-FAC (KAISA, Pauloski et al. 2022).
+///
+/// Works on any communicator the user passes (duplicated internally so kfac's traffic never
+/// matches the user's). Sums are computed as MPI_Reduce to rank 0 followed by MPI_Bcast, so every
+/// rank receives the same bits (an allreduce may round differently on different ranks).
+/// Buffers are host pointers; device buffers are staged through the host by the Preconditioner
+/// unless `cuda_aware` is set, in which case device pointers are passed to MPI directly.
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kfac/comm/comm_precision.hpp"
+#include "kfac/error.hpp"
+
+namespace kfac {
+
+namespace impl {
+inline std::uint16_t to_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  return std::uint16_t(u >> 16);
+}
+inline float from_bf16(std::uint16_t h) {
+  const std::uint32_t u = std::uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<std::uint16_t*>(in);
+  auto* b = static_cast<std::uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
+}
+inline std::uint64_t fnv1a(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) { h ^= c; h *= 1099511628211ull; }
+  return h;
+}
+}  // namespace impl
+
+/// \brief MPI communicator policy.
+class MpiComm {
+ public:
+  /// \param comm [in] the communicator kfac works on (duplicated).
+  /// \param cuda_aware [in] pass device pointers to MPI directly.
+  explicit MpiComm(MPI_Comm comm = MPI_COMM_WORLD, bool cuda_aware = false)
+      : state_(std::make_shared<State>(comm)), cuda_aware_(cuda_aware) {}
+
+  int rank() const { return state_->rank; }
+  int size() const { return state_->size; }
+  bool cuda_aware() const { return cuda_aware_; }
+  MPI_Comm comm() const { return state_->comm; }
+  /// Payload bytes this rank handed to collectives (sums, broadcasts) so far.
+  std::size_t bytes_sent() const { return state_->bytes; }
+  void reset_bytes() { state_->bytes = 0; }
+
+  double allreduce_sum(double v) const {
+    double r = 0;
+    check(MPI_Allreduce(&v, &r, 1, MPI_DOUBLE, MPI_SUM, state_->comm), "MPI_Allreduce");
+    return r;
+  }
+  long allreduce_max(long v) const {
+    long r = 0;
+    check(MPI_Allreduce(&v, &r, 1, MPI_LONG, MPI_MAX, state_->comm), "MPI_Allreduce");
+    return r;
+  }
+  /// True on every rank when every rank passed the same string (one collective, a hash).
+  bool all_equal(const std::string& s) const {
+    const std::uint64_t h = impl::fnv1a(s);
+    unsigned long long v[2] = {h, ~h}, r[2] = {0, 0};
+    check(MPI_Allreduce(v, r, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, state_->comm), "MPI_Allreduce");
+    return r[0] == ~r[1];  // max == min
+  }
+
+  /// Sum over ranks into every rank's buffer, bit-identical everywhere (reduce + broadcast).
+  void sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload) const {
+    if (count == 0 || size() == 1) return;
+    if (payload == CommPrecision::native || (payload == CommPrecision::float32 && scalar_size == 4)) {
+      MPI_Datatype t = scalar_size == 8 ? MPI_DOUBLE : MPI_FLOAT;
+      reduce_bcast(data, int(count), t, MPI_SUM, count * scalar_size);
+      return;
+    }
+    if (payload == CommPrecision::float32) {
+      std::vector<float> tmp(count);
+      auto* d = static_cast<double*>(data);
+      for (std::size_t i = 0; i < count; ++i) tmp[i] = float(d[i]);
+      reduce_bcast(tmp.data(), int(count), MPI_FLOAT, MPI_SUM, count * 4);
+      for (std::size_t i = 0; i < count; ++i) d[i] = double(tmp[i]);
+      return;
+    }
+    std::vector<std::uint16_t> tmp(count);
+    for (std::size_t i = 0; i < count; ++i)
+      tmp[i] = impl::to_bf16(scalar_size == 8 ? float(static_cast<double*>(data)[i])
+                                              : static_cast<float*>(data)[i]);
+    reduce_bcast(tmp.data(), int(count), MPI_UINT16_T, state_->bf16_op, count * 2);
+    for (std::size_t i = 0; i < count; ++i) {
+      if (scalar_size == 8) static_cast<double*>(data)[i] = double(impl::from_bf16(tmp[i]));
+      else static_cast<float*>(data)[i] = impl::from_bf16(tmp[i]);
+    }
+  }
+
+  /// Broadcasts raw bytes from `root` within the sub-communicator `group` (a rank list; the
+  /// communicator for each distinct list is created once, collectively, by make_group).
+  void broadcast(void* data, std::size_t bytes, int root_index, int group) const {
+    MPI_Comm c = group < 0 ? state_->comm : state_->groups.at(std::size_t(group));
+    int gsize = 1;
+    MPI_Comm_size(c, &gsize);
+    if (gsize == 1 || bytes == 0) return;
+    int grank = 0;
+    MPI_Comm_rank(c, &grank);
+    if (grank == root_index) state_->bytes += bytes;
+    check(MPI_Bcast(data, int(bytes), MPI_BYTE, root_index, c), "MPI_Bcast");
+  }
+  /// Collective: splits the communicator by `color` (rank order kept); returns the group id.
+  int make_group(int color) {
+    MPI_Comm c;
+    check(MPI_Comm_split(state_->comm, color, rank(), &c), "MPI_Comm_split");
+    state_->groups.push_back(c);
+    return int(state_->groups.size()) - 1;
+  }
+  void free_groups() {
+    for (auto& c : state_->groups) MPI_Comm_free(&c);
+    state_->groups.clear();
+  }
+
+ private:
+  struct State {
+    explicit State(MPI_Comm user) {
+      int init = 0;
+      MPI_Initialized(&init);
+      if (!init) throw Error("", "MpiComm: MPI is not initialized (call MPI_Init first)");
+      check(MPI_Comm_dup(user, &comm), "MPI_Comm_dup");
+      MPI_Comm_rank(comm, &rank);
+      MPI_Comm_size(comm, &size);
+      MPI_Op_create(&impl::bf16_sum, 1, &bf16_op);
+    }
+    ~State() {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (finalized) return;
+      for (auto& c : groups) MPI_Comm_free(&c);
+      MPI_Op_free(&bf16_op);
+      MPI_Comm_free(&comm);
+    }
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Op bf16_op = MPI_OP_NULL;
+    int rank = 0, size = 1;
+    std::size_t bytes = 0;
+    std::vector<MPI_Comm> groups;
+  };
+  static void check(int rc, const char* what) {
+    if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
+  }
+  void reduce_bcast(void* data, int count, MPI_Datatype t, MPI_Op op, std::size_t bytes) const {
+    state_->bytes += 2 * bytes;  // one reduce contribution, one broadcast share
+    if (rank() == 0)
+      check(MPI_Reduce(MPI_IN_PLACE, data, count, t, op, 0, state_->comm), "MPI_Reduce");
+    else
+      check(MPI_Reduce(data, nullptr, count, t, op, 0, state_->comm), "MPI_Reduce");
+    check(MPI_Bcast(data, count, t, 0, state_->comm), "MPI_Bcast");
+  }
+
+  std::shared_ptr<State> state_;
+  bool cuda_aware_ = false;
+};
+
+}  // namespace kfac
