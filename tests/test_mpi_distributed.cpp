@@ -1,0 +1,223 @@
+// Distributed K-FAC equals the single-process result on the concatenated batch, on every rank,
+// for every assignment strategy; ranks agree bit for bit.
+#include <mpi.h>
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <kfac/comm/mpi_comm.hpp>
+#include <kfac/kfac.hpp>
+
+#include "reference.hpp"
+
+using namespace kfac_test;
+using Host = Kokkos::DefaultHostExecutionSpace;
+using V2 = Kokkos::View<double**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+using V4 = Kokkos::View<double****, Kokkos::LayoutRight, Kokkos::HostSpace>;
+using V1 = Kokkos::View<double*, Kokkos::LayoutRight, Kokkos::HostSpace>;
+
+namespace {
+
+int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
+int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
+
+constexpr int kBatch = 6;  // per rank
+
+/// The global problem: data for `ranks` shards of kBatch samples, identical on every rank.
+struct Problem {
+  int ranks;
+  V2 x1, g1, x2, g2;  // dense layers: (ranks * kBatch, features)
+  V4 xc, gc, xb, gb;  // conv and batch norm, NCHW
+  V2 w1, w2; V1 b1, b2; V4 wc; V1 bc, gamma, beta;
+  explicit Problem(int r, int step) : ranks(r) {
+    Rng rng(1000 + step);
+    const int n = r * kBatch;
+    x1 = random_view<double>(n, 5, rng); g1 = random_view<double>(n, 4, rng);
+    x2 = random_view<double>(n, 4, rng); g2 = random_view<double>(n, 3, rng);
+    xc = random_view4<double>(n, 2, 5, 5, rng); gc = random_view4<double>(n, 3, 5, 5, rng);
+    xb = random_view4<double>(n, 3, 2, 2, rng); gb = random_view4<double>(n, 3, 2, 2, rng);
+    w1 = random_view<double>(4, 5, rng); b1 = random_vector<double>(4, rng);
+    w2 = random_view<double>(3, 4, rng); b2 = random_vector<double>(3, rng);
+    wc = random_view4<double>(3, 2, 3, 3, rng); bc = random_vector<double>(3, rng);
+    gamma = random_vector<double>(3, rng); beta = random_vector<double>(3, rng);
+  }
+};
+
+template <class V>
+V shard(const V& v, int rank, int ranks) {
+  if (ranks == 1) return v;
+  auto s = Kokkos::subview(v, std::make_pair(rank * kBatch, (rank + 1) * kBatch), Kokkos::ALL);
+  V out("shard", kBatch, v.extent(1));
+  Kokkos::deep_copy(out, s);
+  return out;
+}
+V4 shard4(const V4& v, int rank, int ranks) {
+  if (ranks == 1) return v;
+  auto s = Kokkos::subview(v, std::make_pair(rank * kBatch, (rank + 1) * kBatch), Kokkos::ALL,
+                           Kokkos::ALL, Kokkos::ALL);
+  V4 out("shard", kBatch, v.extent(1), v.extent(2), v.extent(3));
+  Kokkos::deep_copy(out, s);
+  return out;
+}
+
+template <class Factor, class P>
+void register_all(P& pre) {
+  pre.template register_layer<kfac::Dense, Factor>("fc1", kfac::Dense(5, 4));
+  pre.template register_layer<kfac::Dense, Factor>("fc2", kfac::Dense(4, 3));
+  pre.template register_layer<kfac::Conv2d, Factor>(
+      "conv", kfac::Conv2d(2, 3, 3, 3).with_padding(1, 1));
+  pre.template register_layer<kfac::BatchNorm2d>("bn", kfac::BatchNorm2d(3));
+}
+
+/// Runs `steps` steps; observations are shard `rank` of `ranks`; returns all gradients, flattened.
+template <class P>
+std::vector<double> run(P& pre, int rank, int ranks, int steps) {
+  std::vector<double> out;
+  for (int s = 0; s < steps; ++s) {
+    Problem p(world_size(), s);  // same global data for every world size
+    const int total = world_size();
+    // Single process: ranks == 1 sees the whole batch of `total` shards.
+    auto pick2 = [&](const V2& v) { return ranks == 1 ? v : shard(v, rank, total); };
+    auto pick4 = [&](const V4& v) { return ranks == 1 ? v : shard4(v, rank, total); };
+    if (pre.wants_observations()) {
+      pre.observe_input("fc1", pick2(p.x1)); pre.observe_output_grad("fc1", pick2(p.g1));
+      pre.observe_input("fc2", pick2(p.x2)); pre.observe_output_grad("fc2", pick2(p.g2));
+      pre.observe_input("conv", pick4(p.xc)); pre.observe_output_grad("conv", pick4(p.gc));
+      pre.observe_input("bn", pick4(p.xb)); pre.observe_output_grad("bn", pick4(p.gb));
+    }
+    pre.set_gradient("fc1", p.w1, p.b1);
+    pre.set_gradient("fc2", p.w2, p.b2);
+    pre.set_gradient("conv", p.wc, p.bc);
+    pre.set_gradient("bn", p.gamma, p.beta);
+    pre.step();
+    for (auto* v : {&p.w1, &p.w2})
+      for (std::size_t i = 0; i < v->span(); ++i) out.push_back(v->data()[i]);
+    for (auto* v : {&p.b1, &p.b2, &p.bc, &p.gamma, &p.beta})
+      for (std::size_t i = 0; i < v->span(); ++i) out.push_back(v->data()[i]);
+    for (std::size_t i = 0; i < p.wc.span(); ++i) out.push_back(p.wc.data()[i]);
+  }
+  return out;
+}
+
+kfac::Options options(double fraction) {
+  return kfac::Options{}
+      .with_loss_reduction(kfac::LossReduction::sum)
+      .with_damping(1e-2)
+      .with_kl_clip(1e-2)
+      .with_lr(0.5)
+      .with_factor_update_steps(1)
+      .with_inv_update_steps(2)
+      .with_grad_worker_fraction(fraction)
+      .with_bucket_bytes(256);  // small buckets: several collectives per update
+}
+
+bool identical_on_all_ranks(const std::vector<double>& v) {
+  const std::uint64_t h = kfac::impl::fnv1a(std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double)));
+  unsigned long long a[2] = {h, ~h}, r[2];
+  MPI_Allreduce(a, r, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+  return r[0] == ~r[1];
+}
+
+double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) { num += (a[i] - b[i]) * (a[i] - b[i]); den += b[i] * b[i]; }
+  return std::sqrt(num / den);
+}
+
+template <class Factor>
+void check_strategy(double fraction) {
+  const int rank = world_rank(), size = world_size();
+  kfac::Preconditioner<double, Host> single(options(1.0));
+  register_all<Factor>(single);
+  const auto expect = run(single, 0, 1, 5);
+
+  kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(fraction), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  register_all<Factor>(dist);
+  const auto got = run(dist, rank, size, 5);
+  REQUIRE(got.size() == expect.size());
+  INFO("rank " << rank << " of " << size << ", fraction " << fraction << ", relative difference " << rel_diff(got, expect));
+  CHECK(rel_diff(got, expect) < 1e-10);
+  CHECK(identical_on_all_ranks(got));
+}
+
+}  // namespace
+
+TEST_CASE("distributed K-FAC equals the single-process result", "[mpi][distributed]") {
+  const int size = world_size();
+  SECTION("COMM-OPT, symmetric") { check_strategy<kfac::Symmetric>(1.0); }
+  SECTION("COMM-OPT, full") { check_strategy<kfac::Full>(1.0); }
+  SECTION("MEM-OPT, symmetric") { check_strategy<kfac::Symmetric>(1.0 / size); }
+  SECTION("MEM-OPT, full") { check_strategy<kfac::Full>(1.0 / size); }
+  if (size % 2 == 0 && size > 2) {
+    SECTION("HYBRID 0.5") { check_strategy<kfac::Symmetric>(0.5); }
+  }
+}
+
+TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes]") {
+  const int size = world_size();
+  if (size == 1) return;
+  auto bytes_for = [&](auto factor_tag) {
+    using Factor = decltype(factor_tag);
+    kfac::MpiComm comm(MPI_COMM_WORLD);
+    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0).with_bucket_bytes(1 << 20), Host(), comm);
+    register_all<Factor>(pre);
+    run(pre, world_rank(), size, 1);  // step 0: factor update + decomposition
+    comm.reset_bytes();
+    run(pre, world_rank(), size, 1);  // step 1: factor update only (inv every 2); COMM-OPT: no V broadcast
+    return comm.bytes_sent();
+  };
+  auto tri = [](std::size_t n) { return n * (n + 1) / 2; };
+  // fc1: A 6, G 4; fc2: A 5, G 3; conv: A 19, G 3; bn: 9 values. Reduce + broadcast = 2 x payload.
+  const std::size_t packed = 2 * 8 * (tri(6) + tri(4) + tri(5) + tri(3) + tri(19) + tri(3) + 9);
+  const std::size_t full = 2 * 8 * (36 + 16 + 25 + 9 + 361 + 9 + 9);
+  CHECK(bytes_for(kfac::Symmetric{}) == packed);
+  CHECK(bytes_for(kfac::Full{}) == full);
+}
+
+TEST_CASE("MEM-OPT keeps one copy of each decomposition across ranks", "[mpi][memory]") {
+  const int size = world_size();
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0 / size), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  register_all<kfac::Symmetric>(pre);
+  run(pre, world_rank(), size, 1);
+  kfac::Preconditioner<double, Host> single(options(1.0));
+  register_all<kfac::Symmetric>(single);
+  run(single, 0, 1, 1);
+  auto total = [](const std::vector<kfac::MemoryReport>& r) { std::size_t t = 0; for (auto& m : r) t += m.decomposition_bytes; return t; };
+  double mine = double(total(pre.memory_report())), sum = 0;
+  MPI_Allreduce(&mine, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  CHECK(sum == double(total(single.memory_report())));
+}
+
+TEST_CASE("reduced-precision factor averaging stays within its documented tolerance", "[mpi][precision]") {
+  const int rank = world_rank(), size = world_size();
+  kfac::Preconditioner<double, Host> single(options(1.0));
+  register_all<kfac::Symmetric>(single);
+  const auto expect = run(single, 0, 1, 3);
+  for (auto [p, tol] : {std::pair<kfac::CommPrecision, double>{kfac::CommPrecision::float32, 1e-5},
+                        {kfac::CommPrecision::bfloat16, 5e-2}}) {
+    kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(1.0).with_comm_precision(p), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    register_all<kfac::Symmetric>(dist);
+    const auto got = run(dist, rank, size, 3);
+    INFO("payload " << int(p) << " relative difference " << rel_diff(got, expect));
+    CHECK(rel_diff(got, expect) < tol);
+    CHECK(identical_on_all_ranks(got));
+  }
+}
+
+TEST_CASE("mismatched registration raises the same error on every rank", "[mpi][errors]") {
+  const int rank = world_rank(), size = world_size();
+  if (size == 1) return;
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  pre.register_layer<kfac::Dense>("fc", kfac::Dense(5, rank == size - 1 ? 3 : 4));
+  Rng rng(7);
+  auto x = random_view<double>(kBatch, 5, rng);
+  auto g = random_view<double>(kBatch, rank == size - 1 ? 3 : 4, rng);
+  auto w = random_view<double>(rank == size - 1 ? 3 : 4, 5, rng);
+  auto b = random_vector<double>(rank == size - 1 ? 3 : 4, rng);
+  pre.observe_input("fc", x);
+  pre.observe_output_grad("fc", g);
+  pre.set_gradient("fc", w, b);
+  const auto before = std::vector<double>(w.data(), w.data() + w.span());
+  CHECK_THROWS_WITH(pre.step(), Catch::Contains("ranks registered different layers"));
+  CHECK(std::vector<double>(w.data(), w.data() + w.span()) == before);
+  CHECK(pre.step_count() == 0);
+}
