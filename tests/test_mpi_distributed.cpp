@@ -221,3 +221,35 @@ TEST_CASE("mismatched registration raises the same error on every rank", "[mpi][
   CHECK(std::vector<double>(w.data(), w.data() + w.span()) == before);
   CHECK(pre.step_count() == 0);
 }
+
+TEST_CASE("GradientAverager averages bucketed gradients bit-identically", "[mpi][data_parallel]") {
+  const int rank = world_rank(), size = world_size();
+  Rng rng(99 + rank);
+  auto w = random_view<double>(7, 9, rng);  // 63 values
+  auto b = random_vector<double>(5, rng);
+  Kokkos::View<float*, Kokkos::HostSpace> f("f", 11);
+  for (int i = 0; i < 11; ++i) f(i) = float(rank + i);
+  // Expected means from every rank's generator, computed independently.
+  std::vector<double> mean_w(63, 0.0), mean_b(5, 0.0);
+  for (int r = 0; r < size; ++r) {
+    Rng other(99 + r);
+    auto ow = random_view<double>(7, 9, other);
+    auto ob = random_vector<double>(5, other);
+    for (int i = 0; i < 63; ++i) mean_w[i] += ow.data()[i] / size;
+    for (int i = 0; i < 5; ++i) mean_b[i] += ob(i) / size;
+  }
+  kfac::GradientAverager<kfac::MpiComm> avg(kfac::MpiComm(MPI_COMM_WORLD), 10 * sizeof(double));
+  avg.add(w);
+  avg.add(b);
+  avg.add(f);
+  avg.average();
+  for (int i = 0; i < 63; ++i) CHECK(w.data()[i] == Approx(mean_w[i]).epsilon(1e-12));
+  for (int i = 0; i < 5; ++i) CHECK(b(i) == Approx(mean_b[i]).epsilon(1e-12));
+  for (int i = 0; i < 11; ++i) CHECK(f(i) == Approx(float(i) + float(size - 1) / 2).epsilon(1e-6));
+  if (size > 1) {
+    CHECK(avg.collectives() == 7 + 1);  // 68 doubles in buckets of 10 -> 7; 11 floats fit one bucket of 20
+  }
+  std::vector<double> all(w.data(), w.data() + 63);
+  all.insert(all.end(), b.data(), b.data() + 5);
+  CHECK(identical_on_all_ranks(all));
+}

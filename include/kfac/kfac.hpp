@@ -3,6 +3,7 @@
 /// \brief The one header users include.
 
 #include "kfac/config.hpp"
+#include "kfac/data_parallel.hpp"
 #include "kfac/error.hpp"
 #include "kfac/factors/factor_policies.hpp"
 #include "kfac/inverse/cholesky.hpp"
