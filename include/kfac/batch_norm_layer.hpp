@@ -2,6 +2,7 @@
 /// \file batch_norm_layer.hpp
 /// \brief BatchNorm scale-and-shift preconditioned with the unit-wise or diagonal Fisher.
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -87,11 +88,21 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     ++grads_;
     samples_ += n;
   }
+  bool observations_overflow() const override {
+    if (samples_ == 0) return false;
+    auto h = Kokkos::create_mirror_view(sums_);
+    Kokkos::deep_copy(h, sums_);
+    const double big = double(std::numeric_limits<F>::max());
+    for (int c = 0; c < c_; ++c)
+      if (!(h(c, 0) / double(samples_) <= big) || !(h(c, 2) / double(samples_) <= big)) return true;
+    return false;
+  }
   std::string observations_problem() const override {
     if (inputs_.empty()) return "no observations were given";
     if (grads_ != inputs_.size())
       return "observed " + std::to_string(inputs_.size()) + " inputs but " +
              std::to_string(grads_) + " output gradients";
+    if (observations_overflow()) return "observations would overflow the factor type";
     return {};
   }
   void clear_observations() override {
@@ -101,8 +112,16 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     Kokkos::deep_copy(sums_, 0.0);
   }
 
+  std::vector<std::pair<std::size_t, std::size_t>> buffer_shapes(int part) const override {
+    if (part == 0) return {{std::size_t(3 * c_), sizeof(F)}};
+    return {};
+  }
+  void allocate_factors() override {
+    if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
+    has_factors_ = true;
+  }
   void update_factors(const Exec& exec, double decay) override {
-    if (!has_factors_) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
+    if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
     const double old_w = has_factors_ ? decay : 0.0, new_w = (has_factors_ ? 1.0 - decay : 1.0) / double(samples_);
     auto f = f_;
     auto sums = sums_;
@@ -121,6 +140,7 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
   void decompose(const Exec&, int, double) override {}
   void finish_decomposition(const Exec&, double, bool) override { has_decomposition_ = true; }
   bool has_decomposition() const override { return has_decomposition_; }
+  void invalidate_decomposition() override { has_decomposition_ = false; }
   std::vector<impl::Buffer> decomposition_buffers(int) override { return {}; }
   void allocate_decomposition() override {}
   double decomposition_flops(int) const override { return 0.0; }

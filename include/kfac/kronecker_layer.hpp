@@ -3,6 +3,7 @@
 /// \brief One Kronecker-factored layer, composed from a layer-type, factor, inversion and
 /// precision policy.
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -52,8 +53,17 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   bool has_bias() const override { return layer_.bias(); }
 
   std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
+  /// The k-th output gradient of a step pairs with the k-th input of the step (the order
+  /// BatchNorm2d requires too). A batch mismatch is refused here, with the bad observation
+  /// kept out; step()'s sample-count check could only refuse the whole pending update, which
+  /// no call can then repair.
   std::string check_output_grad(const impl::Extents& e) const override {
-    return layer_.check_output_grad(e, last_input_);
+    const std::size_t k = g_rows_.size();
+    if (k < a_extents_.size() && e[0] != a_extents_[k][0])
+      return "output gradient has batch " + std::to_string(e[0]) +
+             " but the input it pairs with (observation " + std::to_string(k + 1) +
+             " of this step) has batch " + std::to_string(a_extents_[k][0]);
+    return layer_.check_output_grad(e, k < a_extents_.size() ? a_extents_[k] : last_input_);
   }
 
   void observe_input(const Exec& exec, const tensor_type& x) override {
@@ -63,7 +73,9 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     layer_.fill_a_rows(exec, x, rows);
     a_rows_.push_back(rows);
     a_norm_ += layer_.a_normalizer(e);
+    a_trace_ += impl::sum_of_squares(exec, rows);
     a_samples_ += e[0];
+    a_extents_.push_back(e);
     last_input_ = e;
   }
   void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
@@ -73,7 +85,13 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     layer_.fill_g_rows(exec, g, scale, rows);
     g_rows_.push_back(rows);
     g_norm_ += layer_.g_normalizer(e);
+    g_trace_ += impl::sum_of_squares(exec, rows);
     g_samples_ += e[0];
+  }
+  bool observations_overflow() const override {
+    if (a_norm_ == 0 || g_norm_ == 0) return false;
+    const double big = double(std::numeric_limits<F>::max());
+    return !(a_trace_ / a_norm_ <= big) || !(g_trace_ / g_norm_ <= big);
   }
   std::string observations_problem() const override {
     if (a_rows_.empty() && g_rows_.empty()) return "no observations were given";
@@ -82,17 +100,38 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     if (a_samples_ != g_samples_)
       return "observed " + std::to_string(a_samples_) + " input samples but " +
              std::to_string(g_samples_) + " output-gradient samples";
+    if (observations_overflow())
+      return "observations would overflow the factor type (trace of the new A " +
+             std::to_string(a_trace_ / a_norm_) + ", G " + std::to_string(g_trace_ / g_norm_) +
+             "; largest value " + std::to_string(double(std::numeric_limits<F>::max())) + ")";
     return {};
   }
   void clear_observations() override {
     a_rows_.clear();
+    a_extents_.clear();
     g_rows_.clear();
     a_norm_ = g_norm_ = 0;
+    a_trace_ = g_trace_ = 0;
     a_samples_ = g_samples_ = 0;
   }
 
+  std::vector<std::pair<std::size_t, std::size_t>> buffer_shapes(int part) const override {
+    const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
+    if (part == 0) return {{diagonal ? a : a * a, sizeof(F)}, {diagonal ? g : g * g, sizeof(F)}};
+    if constexpr (diagonal) return {};
+    std::vector<std::pair<std::size_t, std::size_t>> r;
+    for (std::size_t c : Fact::counts(part == 1 ? na_ : ng_)) r.push_back({c, sizeof(D)});
+    return r;
+  }
+  void allocate_factors() override {
+    if (a_.extent(0) == 0) {
+      a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
+      g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
+    }
+    has_factors_ = true;
+  }
   void update_factors(const Exec& exec, double decay) override {
-    if (!has_factors_) {
+    if (a_.extent(0) == 0) {
       a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
       g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
     }
@@ -138,6 +177,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     has_decomposition_ = true;
   }
   bool has_decomposition() const override { return has_decomposition_; }
+  void invalidate_decomposition() override { has_decomposition_ = false; }
   std::vector<impl::Buffer> decomposition_buffers(int which) override {
     if constexpr (diagonal) {
       (void)which;
@@ -213,6 +253,13 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
         });
   }
 
+  /// Bytes this process holds, with a = a_dim, g = g_dim: factor_bytes (a^2 + g^2)
+  /// sizeof(Factor), (a + g) for Diagonal, 0 before the first factor update;
+  /// decomposition_bytes the two factorizations in sizeof(Decomposition), i.e.
+  /// (a^2 + a + g^2 + g) for Eigendecomposition and (a^2 + g^2) for explicit inverses, plus g a
+  /// for a precomputed reciprocal, 0 for Diagonal; workspace_bytes 3 g a sizeof(Decomposition)
+  /// (2 g a for Diagonal) once a gradient was preconditioned, plus the pending observation rows
+  /// (Layer::a_rows a + Layer::g_rows g) sizeof(Factor).
   MemoryReport memory() const override {
     MemoryReport r{this->name(), kind(), 0, 0, 0};
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
@@ -273,8 +320,10 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   LayerType layer_;
   index_t na_, ng_;
   impl::Extents last_input_{0, 0, 0, 0};
+  std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
   std::vector<FMatrix> a_rows_, g_rows_;
   double a_norm_ = 0, g_norm_ = 0;
+  double a_trace_ = 0, g_trace_ = 0;  // sums of squares of the pending rows, in double
   long a_samples_ = 0, g_samples_ = 0;
   FMatrix a_, g_;
   bool has_factors_ = false, has_decomposition_ = false;

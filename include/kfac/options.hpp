@@ -23,6 +23,15 @@ namespace kfac {
 /// factor of per-sample gradients either way.
 enum class LossReduction { mean, sum };
 
+/// \brief What happens when observations or gradients contain NaN/Inf.
+///
+/// `raise`: observe_* throws kfac::Error at once, on the rank that saw it (single-process use).
+/// `skip`: the value is recorded, and step() decides globally (one small collective): if any rank
+/// saw a non-finite observation or gradient, every rank skips the whole K-FAC update of that step
+/// (factors and decompositions keep their last good values, gradients are left as given) and
+/// counts it in Preconditioner::skipped_steps().
+enum class NonFinitePolicy { raise, skip };
+
 /// \brief A hyperparameter: a constant, or a function of the optimizer step (0-based).
 template <class T>
 class Hyperparameter {
@@ -77,6 +86,8 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | bool | colocate_factors | decompose a layer's A and G on the same rank | true |
 /// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
 /// | CommPrecision | comm_precision | payload type of factor averaging | native |
+/// | NonFinitePolicy | nonfinite | raise at once, or skip the step on every rank | raise |
+/// | int | max_damping_retries | decomposition failures retried with damping x10 | 3 |
 struct Options {
   Hyperparameter<double> lr{0.1};
   Hyperparameter<double> damping{0.001};
@@ -92,6 +103,8 @@ struct Options {
   bool colocate_factors = true;
   std::size_t bucket_bytes = std::size_t(16) << 20;
   CommPrecision comm_precision = CommPrecision::native;
+  NonFinitePolicy nonfinite = NonFinitePolicy::raise;
+  int max_damping_retries = 3;
 
   Options& with_lr(Hyperparameter<double> v) { lr = std::move(v); return *this; }
   Options& with_damping(Hyperparameter<double> v) { damping = std::move(v); return *this; }
@@ -107,6 +120,8 @@ struct Options {
   Options& with_colocate_factors(bool b) { colocate_factors = b; return *this; }
   Options& with_bucket_bytes(std::size_t b) { bucket_bytes = b; return *this; }
   Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
+  Options& with_nonfinite_policy(NonFinitePolicy p) { nonfinite = p; return *this; }
+  Options& with_max_damping_retries(int n) { max_damping_retries = n; return *this; }
 };
 
 /// \brief The hyperparameter values in force at one step, checked.

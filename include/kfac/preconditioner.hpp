@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kfac/batch_norm_layer.hpp"
+#include "kfac/checkpoint.hpp"
 #include "kfac/assignment.hpp"
 #include "kfac/comm/serial_comm.hpp"
 #include "kfac/inverse/eigendecomposition.hpp"
@@ -122,8 +123,7 @@ class Preconditioner {
     fail_if(name, e.layer->check_input(impl::extents_of(t)));
     if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
     if (!wants_observations() || e.skipped) return;
-    check_finite(name, t, "input");
-    e.layer->observe_input(exec_, t);
+    if (check_finite(name, t, "input")) e.layer->observe_input(exec_, t);
   }
 
   /// \brief The gradient of the loss with respect to the layer's output (pre-activation),
@@ -135,7 +135,7 @@ class Preconditioner {
     if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
     if (!wants_observations() || e.skipped) return;
     fail_if(name, e.layer->check_output_grad(impl::extents_of(t)));
-    check_finite(name, t, "output gradient");
+    if (!check_finite(name, t, "output gradient")) return;
     const double scale =
         options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0;
     e.layer->observe_output_grad(exec_, t, scale);
@@ -175,6 +175,17 @@ class Preconditioner {
   void step() {
     const StepValues v = StepValues::at(options_, step_);
     const bool factor_step = wants_observations(), inv_step = will_decompose();
+    if (options_.nonfinite == NonFinitePolicy::skip) {
+      for (const auto& e : layers_)
+        if (!e.skipped && ((e.has_gradient && (impl::count_nonfinite(exec_, e.w) > 0 ||
+                                               impl::count_nonfinite(exec_, e.b) > 0)) ||
+                           (factor_step && e.layer->observations_overflow())))
+          poisoned_ = true;
+      if (comm_.allreduce_max(poisoned_ ? 1L : 0L) > 0) {
+        skip_step();
+        return;
+      }
+    }
     // Validate everything before changing anything.
     for (const auto& e : layers_) {
       if (e.skipped) continue;
@@ -257,6 +268,153 @@ class Preconditioner {
   /// \brief The current work assignment (valid after the first step()).
   const WorkAssignment& assignment() const { return assignment_; }
 
+  /// \brief Steps skipped because some rank saw NaN/Inf (NonFinitePolicy::skip).
+  long skipped_steps() const { return skipped_steps_; }
+  /// \brief Decompositions that succeeded only after raising the damping.
+  long damping_retries() const { return damping_retries_; }
+
+  /// \brief Writes the whole state (factors, decompositions unless told not to, step counters,
+  /// schedule state, layer names and signatures) to a versioned, checksummed binary stream.
+  /// Call between steps: observations of a step not yet taken are not saved.
+  void save(std::ostream& os, bool with_decompositions = true) const {
+    impl::ByteWriter w;
+    for (long v : {step_, next_factor_step_, next_inv_step_, last_factor_step_, last_inv_step_})
+      w.put(std::int64_t(v));
+    w.put(std::int32_t(comm_.size()));
+    w.put(std::int32_t(comm_.rank()));
+    w.put(std::uint32_t(with_decompositions ? 1 : 0));
+    w.put(std::uint32_t(layers_.size()));
+    for (const auto& e : layers_) {
+      auto& layer = *e.layer;
+      w.put_string(layer.name());
+      w.put_string(layer.signature());
+      w.put(std::uint8_t(layer.has_factors()));
+      auto put_buffers = [&](const std::vector<impl::Buffer>& bufs) {
+        w.put(std::uint32_t(bufs.size()));
+        for (const auto& b : bufs) {
+          w.put(std::uint8_t(b.scalar_size));
+          w.put(std::uint64_t(b.count));
+          const std::string bytes = to_host_bytes(b);
+          w.put_raw(bytes.data(), bytes.size());
+        }
+      };
+      std::vector<impl::Buffer> fb;
+      if (layer.has_factors())
+        for (auto& f : layer.factors()) fb.push_back(f.storage);
+      put_buffers(fb);
+      const bool dec = with_decompositions && layer.has_decomposition() &&
+                       (layer.decomposed_factors() == 0 || !layer.decomposition_buffers(0).empty());
+      w.put(std::uint8_t(dec));
+      w.put(e.decomposition_damping);
+      for (int which = 0; which < 2; ++which)
+        put_buffers(dec ? layer.decomposition_buffers(which) : std::vector<impl::Buffer>{});
+    }
+    impl::write_checkpoint(os, w.bytes());
+  }
+
+  /// \brief Restores a state written by save(). Checks version, checksum, layer names, shapes
+  /// and policies first and changes nothing if any check fails. Factors are global and restore
+  /// at any world size; decompositions are per rank and are restored only when the world size
+  /// and rank match (otherwise they are recomputed at the next step). Returns true when the
+  /// decompositions were restored.
+  bool load(std::istream& is) {
+    const std::vector<char> body = impl::read_checkpoint(is);
+    impl::ByteReader r(body.data(), body.size());
+    long counters[5];
+    for (long& c : counters) c = long(r.get<std::int64_t>("step counters"));
+    const int world = r.get<std::int32_t>("world size"), rank = r.get<std::int32_t>("rank");
+    r.get<std::uint32_t>("flags");
+    const std::uint32_t count = r.get<std::uint32_t>("layer count");
+    if (count != layers_.size())
+      throw Error("", "checkpoint has " + std::to_string(count) + " layers, this preconditioner has " +
+                          std::to_string(layers_.size()));
+    if (counters[0] < 0 || counters[1] < 0 || counters[2] < 0)
+      throw Error("", "checkpoint has negative step counters: corrupt");
+    const bool same_layout = world == comm_.size() && rank == comm_.rank();
+    struct Planned {
+      bool has_factors, has_decomposition;
+      double damping;
+      std::vector<const char*> factors, dec[2];
+    };
+    std::vector<Planned> plan(count);
+    for (std::uint32_t i = 0; i < count; ++i) {
+      auto& layer = *layers_[i].layer;
+      const std::string name = r.get_string("layer name");
+      const std::string sig = r.get_string("layer signature");
+      if (name != layer.name())
+        throw Error(layer.name(), "checkpoint has layer '" + name + "' in this position");
+      if (sig != layer.signature())
+        throw Error(name, "checkpoint was written for " + sig + ", this layer is " + layer.signature());
+      auto& p = plan[i];
+      p.has_factors = r.get<std::uint8_t>("factor flag") != 0;
+      auto read_buffers = [&](int part, std::vector<const char*>& out) {
+        const auto shapes = layer.buffer_shapes(part);
+        const std::uint32_t n = r.get<std::uint32_t>("buffer count");
+        if (n == 0) return;
+        if (n != shapes.size())
+          throw Error(name, "checkpoint buffer count " + std::to_string(n) + " does not match " +
+                                std::to_string(shapes.size()));
+        for (const auto& [cnt, size] : shapes) {
+          const auto ss = r.get<std::uint8_t>("scalar size");
+          const auto c = r.get<std::uint64_t>("value count");
+          if (ss != size || c != cnt)
+            throw Error(name, "checkpoint buffer has " + std::to_string(c) + " values of " +
+                                  std::to_string(int(ss)) + " bytes, expected " + std::to_string(cnt) +
+                                  " of " + std::to_string(size));
+          out.push_back(r.get_raw(std::size_t(c) * ss, "buffer values"));
+        }
+      };
+      read_buffers(0, p.factors);
+      if (p.has_factors != !p.factors.empty())
+        throw Error(name, "checkpoint factor flag disagrees with its buffers: corrupt");
+      p.has_decomposition = r.get<std::uint8_t>("decomposition flag") != 0;
+      p.damping = r.get<double>("decomposition damping");
+      read_buffers(1, p.dec[0]);
+      read_buffers(2, p.dec[1]);
+      if (p.has_decomposition && !p.has_factors)
+        throw Error(name, "checkpoint has a decomposition without factors: corrupt");
+      if (p.has_decomposition && layer.decomposed_factors() > 0 && (p.dec[0].empty() || p.dec[1].empty()))
+        throw Error(name, "checkpoint decomposition flag disagrees with its buffers: corrupt");
+    }
+    if (!r.done()) throw Error("", "checkpoint has trailing bytes: corrupt");
+    // Everything checked: apply.
+    bool restored_decompositions = true;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      auto& e = layers_[i];
+      auto& layer = *e.layer;
+      const auto& p = plan[i];
+      layer.clear_observations();
+      e.has_gradient = false;
+      if (p.has_factors) {
+        layer.allocate_factors();
+        auto fs = layer.factors();
+        for (std::size_t k = 0; k < fs.size(); ++k) from_host_bytes(fs[k].storage, p.factors[k]);
+      }
+      e.decomposition_damping = p.damping;
+      if (p.has_decomposition && same_layout) {
+        if (layer.decomposed_factors() > 0) {
+          layer.allocate_decomposition();
+          for (int which = 0; which < 2; ++which) {
+            auto bufs = layer.decomposition_buffers(which);
+            for (std::size_t k = 0; k < bufs.size(); ++k) from_host_bytes(bufs[k], p.dec[which][k]);
+          }
+        }
+        layer.finish_decomposition(exec_, p.damping, options_.precompute_reciprocal);
+      } else {
+        layer.invalidate_decomposition();
+        if (p.has_decomposition) restored_decompositions = false;
+      }
+    }
+    step_ = counters[0];
+    next_factor_step_ = counters[1];
+    next_inv_step_ = counters[2];
+    last_factor_step_ = counters[3];
+    last_inv_step_ = counters[4];
+    poisoned_ = false;
+    exec_.fence();
+    return restored_decompositions;
+  }
+
   /// \brief The KL-clip scale applied by the last step().
   double last_kl_scale() const { return last_nu_; }
 
@@ -287,6 +445,7 @@ class Preconditioner {
     std::unique_ptr<layer_base> layer;
     bool skipped = false;
     bool has_gradient = false;
+    double decomposition_damping = 0;
     typename layer_base::grad_matrix w;
     typename layer_base::grad_vector b;
   };
@@ -389,6 +548,7 @@ class Preconditioner {
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       auto& e = layers_[l];
       if (e.skipped || !(inv_step || !e.layer->has_decomposition())) continue;
+      e.decomposition_damping = damping;
       if (e.layer->decomposed_factors() == 0) {
         e.layer->finish_decomposition(exec_, damping, options_.precompute_reciprocal);
         continue;
@@ -396,13 +556,35 @@ class Preconditioner {
       if (!assignment_.is_grad_worker(l, me)) continue;
       e.layer->allocate_decomposition();
       for (int which = 0; which < 2; ++which)
-        if (assignment_.decomposer(l, which) == me) e.layer->decompose(exec_, which, damping);
+        if (assignment_.decomposer(l, which) == me) decompose_with_retries(e, which, damping);
       exec_.fence();
       for (int which = 0; which < 2; ++which) {
         const int root = assignment_.decomposer(l, which) % assignment_.grad_workers();
         for (auto& b : e.layer->decomposition_buffers(which)) broadcast(b, root, worker_comm_);
       }
       e.layer->finish_decomposition(exec_, damping, options_.precompute_reciprocal);
+    }
+  }
+
+  /// A failed decomposition (LAPACK info, Cholesky breakdown, Newton-Schulz divergence) is
+  /// retried with 10x the damping, up to max_damping_retries times, then reported.
+  void decompose_with_retries(Entry& e, int which, double damping) {
+    double d = damping;
+    for (int attempt = 0;; ++attempt) {
+      try {
+        e.layer->decompose(exec_, which, d);
+        for (const auto& b : e.layer->decomposition_buffers(which))
+          if (nonfinite_in(b) > 0)
+            throw Error(e.layer->name(), "decomposition has NaN/Inf values (is the factor finite?)");
+        if (attempt > 0) ++damping_retries_;
+        return;
+      } catch (const Error& err) {
+        if (attempt >= options_.max_damping_retries)
+          throw Error(e.layer->name(), std::string("decomposition of ") + (which == 0 ? "A" : "G") +
+                                           " failed after " + std::to_string(attempt) +
+                                           " damping increase(s): " + err.what());
+        d *= 10;
+      }
     }
   }
 
@@ -436,6 +618,39 @@ class Preconditioner {
         Kokkos::deep_copy(d, h);
       }
     }
+  }
+
+  void skip_step() {
+    for (auto& e : layers_) {
+      e.layer->clear_observations();
+      e.has_gradient = false;
+      e.w = {};
+      e.b = {};
+    }
+    poisoned_ = false;
+    ++skipped_steps_;
+    ++step_;
+  }
+
+  long nonfinite_in(const impl::Buffer& b) const {
+    if (b.scalar_size == 8)
+      return impl::count_nonfinite(exec_, Kokkos::View<const double*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(static_cast<const double*>(b.data), b.count));
+    return impl::count_nonfinite(exec_, Kokkos::View<const float*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(static_cast<const float*>(b.data), b.count));
+  }
+
+  std::string to_host_bytes(const impl::Buffer& b) const {
+    std::string out(b.bytes(), '\0');
+    Kokkos::View<const char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(
+        static_cast<const char*>(b.data), b.bytes());
+    Kokkos::View<char*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> h(&out[0], b.bytes());
+    Kokkos::deep_copy(h, d);
+    return out;
+  }
+  void from_host_bytes(const impl::Buffer& b, const char* src) {
+    Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(
+        static_cast<char*>(b.data), b.bytes());
+    Kokkos::View<const char*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> h(src, b.bytes());
+    Kokkos::deep_copy(d, h);
   }
 
   bool skipped(const std::string& name, const char* kind) const {
@@ -476,12 +691,17 @@ class Preconditioner {
     const std::size_t d2 = View::rank == 4 ? v.extent(2) : 1, d3 = View::rank == 4 ? v.extent(3) : 1;
     return typename layer_base::tensor_type(v.data(), v.extent(0), v.extent(1), d2, d3);
   }
+  /// False (and the step poisoned) when t has non-finite values under NonFinitePolicy::skip.
   template <class T>
-  void check_finite(const std::string& name, const T& t, const char* what) const {
+  bool check_finite(const std::string& name, const T& t, const char* what) {
     const long bad = impl::count_nonfinite(exec_, t);
-    if (bad > 0)
-      throw Error(name, std::string(what) + " contains " + std::to_string(bad) +
-                            " NaN/Inf value(s); the observation was not used");
+    if (bad == 0) return true;
+    if (options_.nonfinite == NonFinitePolicy::skip) {
+      poisoned_ = true;
+      return false;
+    }
+    throw Error(name, std::string(what) + " contains " + std::to_string(bad) +
+                          " NaN/Inf value(s); the observation was not used");
   }
 
   Options options_;
@@ -492,6 +712,8 @@ class Preconditioner {
   long step_ = 0, next_factor_step_ = 0, next_inv_step_ = 0;
   long last_factor_step_ = -1, last_inv_step_ = -1;
   double last_nu_ = 1.0;
+  bool poisoned_ = false;
+  long skipped_steps_ = 0, damping_retries_ = 0;
   bool registration_checked_ = false, groups_made_ = false;
   int worker_comm_ = -1, receiver_comm_ = -1;
   WorkAssignment assignment_;

@@ -69,18 +69,26 @@ class LayerBase {
   virtual void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) = 0;
   /// Empty when the pending observations can form a factor update, otherwise why not.
   virtual std::string observations_problem() const = 0;
+  /// True when the pending observations would overflow the factor type (a non-finite factor).
+  virtual bool observations_overflow() const = 0;
   virtual void clear_observations() = 0;
 
   virtual void update_factors(const Exec& exec, double decay) = 0;
   virtual bool has_factors() const = 0;
   /// The running factors, for averaging across ranks and for checkpoints.
   virtual std::vector<FactorBuffer> factors() = 0;
+  /// Allocates the factors (for restoring a checkpoint) and marks them present.
+  virtual void allocate_factors() = 0;
+  /// Shapes of the state buffers without allocating them: part 0 = factors, 1 = decomposition
+  /// of A, 2 = decomposition of G; each entry (value count, scalar size).
+  virtual std::vector<std::pair<std::size_t, std::size_t>> buffer_shapes(int part) const = 0;
 
   /// Decomposes factor `which` (0 = A, 1 = G), allocating both factorizations if needed.
   virtual void decompose(const Exec& exec, int which, double damping) = 0;
   /// Called once both factorizations are in place (computed here or received).
   virtual void finish_decomposition(const Exec& exec, double damping, bool precompute) = 0;
   virtual bool has_decomposition() const = 0;
+  virtual void invalidate_decomposition() = 0;
   /// The factorization of `which` as raw buffers (allocated by decompose or allocate_decomposition).
   virtual std::vector<Buffer> decomposition_buffers(int which) = 0;
   virtual void allocate_decomposition() = 0;
@@ -111,6 +119,17 @@ template <class V>
 Buffer buffer_of(const V& v) {
   return Buffer{const_cast<void*>(static_cast<const void*>(v.data())), v.span(),
                 sizeof(typename V::non_const_value_type)};
+}
+
+/// Sum of squares of a matrix's entries, in double.
+template <class Exec, class M>
+double sum_of_squares(const Exec& exec, const M& m) {
+  double s = 0;
+  const auto* p = m.data();
+  Kokkos::parallel_reduce(
+      "kfac::check::sum_of_squares", Kokkos::RangePolicy<Exec>(exec, 0, long(m.span())),
+      KOKKOS_LAMBDA(long i, double& acc) { acc += double(p[i]) * double(p[i]); }, s);
+  return s;
 }
 
 /// Counts the non-finite entries of any view, on its execution space.

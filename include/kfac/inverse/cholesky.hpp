@@ -21,6 +21,7 @@ struct ExplicitInverse {
   explicit ExplicitInverse(index_t n = 0)
       : inv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::inverse"), n, n) {}
   std::size_t bytes() const { return inv.size() * sizeof(T); }
+  static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
   std::vector<Buffer> buffers() const { return {buffer_of(inv)}; }
 };
 

@@ -30,6 +30,7 @@ struct Eigendecomposition {
         : q(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::q"), n, n),
           lambda("kfac::eigen::lambda", n) {}
     std::size_t bytes() const { return (q.size() + lambda.size()) * sizeof(T); }
+    static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n, std::size_t(n)}; }
     std::vector<impl::Buffer> buffers() const { return {impl::buffer_of(q), impl::buffer_of(lambda)}; }
 
     template <class F>

@@ -1,0 +1,147 @@
+#pragma once
+/// \file checkpoint.hpp
+/// \brief The versioned, checksummed binary checkpoint format (see docs/checkpoint.md).
+///
+/// All integers little-endian (the format is written and read on little-endian machines; a
+/// big-endian reader rejects it by its magic number).
+///
+///     magic      8 bytes  "KFACCKPT"
+///     version    u32      1
+///     body_size  u64      bytes of the body that follows
+///     body       ...
+///     checksum   u64      FNV-1a 64 of the body
+///
+/// Body: step counters (i64 x 5: step, next factor step, next decomposition step, last factor
+/// step, last decomposition step), damping at the last decomposition (f64), world size (i32),
+/// rank (i32), flags (u32: bit 0 = decompositions included), layer count (u32), then per layer:
+/// name (str), signature (str), has_factors (u8), factor buffers (u32 count, each: scalar size
+/// u8, value count u64, raw values), has_decomposition (u8), decomposition buffers (same form).
+/// str = u32 length + bytes.
+
+#include <cstdint>
+#include <cstring>
+#include <istream>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "kfac/error.hpp"
+
+namespace kfac {
+namespace impl {
+
+constexpr char checkpoint_magic[8] = {'K', 'F', 'A', 'C', 'C', 'K', 'P', 'T'};
+constexpr std::uint32_t checkpoint_version = 1;
+
+inline std::uint64_t fnv1a_bytes(const char* p, std::size_t n) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < n; ++i) { h ^= static_cast<unsigned char>(p[i]); h *= 1099511628211ull; }
+  return h;
+}
+
+class ByteWriter {
+ public:
+  template <class T>
+  void put(T v) {
+    static_assert(std::is_trivially_copyable<T>::value, "ByteWriter: trivially copyable only");
+    const char* p = reinterpret_cast<const char*>(&v);
+    bytes_.insert(bytes_.end(), p, p + sizeof(T));
+  }
+  void put_string(const std::string& s) {
+    put(std::uint32_t(s.size()));
+    bytes_.insert(bytes_.end(), s.begin(), s.end());
+  }
+  void put_raw(const void* p, std::size_t n) {
+    const char* c = static_cast<const char*>(p);
+    bytes_.insert(bytes_.end(), c, c + n);
+  }
+  const std::vector<char>& bytes() const { return bytes_; }
+
+ private:
+  std::vector<char> bytes_;
+};
+
+/// Reads a body; every read is bounds-checked and throws kfac::Error("checkpoint ...") on overrun.
+class ByteReader {
+ public:
+  ByteReader(const char* p, std::size_t n) : p_(p), n_(n) {}
+  template <class T>
+  T get(const char* what) {
+    T v;
+    need(sizeof(T), what);
+    std::memcpy(&v, p_ + off_, sizeof(T));
+    off_ += sizeof(T);
+    return v;
+  }
+  std::string get_string(const char* what) {
+    const auto len = get<std::uint32_t>(what);
+    need(len, what);
+    std::string s(p_ + off_, len);
+    off_ += len;
+    return s;
+  }
+  const char* get_raw(std::size_t n, const char* what) {
+    need(n, what);
+    const char* p = p_ + off_;
+    off_ += n;
+    return p;
+  }
+  bool done() const { return off_ == n_; }
+
+ private:
+  void need(std::size_t n, const char* what) const {
+    if (n > n_ - off_)
+      throw Error("", std::string("checkpoint is truncated or corrupt (while reading ") + what + ")");
+  }
+  const char* p_;
+  std::size_t n_, off_ = 0;
+};
+
+/// Wraps a body with magic, version, size and checksum.
+inline void write_checkpoint(std::ostream& os, const std::vector<char>& body) {
+  os.write(checkpoint_magic, 8);
+  const std::uint32_t v = checkpoint_version;
+  const std::uint64_t size = body.size(), sum = fnv1a_bytes(body.data(), body.size());
+  os.write(reinterpret_cast<const char*>(&v), 4);
+  os.write(reinterpret_cast<const char*>(&size), 8);
+  os.write(body.data(), std::streamsize(body.size()));
+  os.write(reinterpret_cast<const char*>(&sum), 8);
+  if (!os) throw Error("", "checkpoint: writing failed");
+}
+
+/// Reads and verifies the envelope; returns the body. Caps the body at `max_bytes`.
+inline std::vector<char> read_checkpoint(std::istream& is, std::uint64_t max_bytes = (1ull << 40)) {
+  char magic[8] = {};
+  is.read(magic, 8);
+  if (!is || std::memcmp(magic, checkpoint_magic, 8) != 0)
+    throw Error("", "not a kfac checkpoint (bad magic number)");
+  std::uint32_t v = 0;
+  std::uint64_t size = 0;
+  is.read(reinterpret_cast<char*>(&v), 4);
+  if (!is) throw Error("", "checkpoint is truncated (no version)");
+  if (v != checkpoint_version)
+    throw Error("", "checkpoint version " + std::to_string(v) + " is not supported (expected " +
+                        std::to_string(checkpoint_version) + ")");
+  is.read(reinterpret_cast<char*>(&size), 8);
+  if (!is) throw Error("", "checkpoint is truncated (no size)");
+  if (size > max_bytes) throw Error("", "checkpoint body size " + std::to_string(size) + " is implausible");
+  std::vector<char> body;
+  // Read in chunks so a corrupt size cannot force a huge allocation before the data is there.
+  const std::size_t chunk = std::size_t(1) << 20;
+  while (body.size() < size) {
+    const std::size_t n = std::min<std::uint64_t>(chunk, size - body.size());
+    const std::size_t old = body.size();
+    body.resize(old + n);
+    is.read(body.data() + old, std::streamsize(n));
+    if (!is) throw Error("", "checkpoint is truncated (body shorter than its header says)");
+  }
+  std::uint64_t sum = 0;
+  is.read(reinterpret_cast<char*>(&sum), 8);
+  if (!is) throw Error("", "checkpoint is truncated (no checksum)");
+  if (sum != fnv1a_bytes(body.data(), body.size()))
+    throw Error("", "checkpoint checksum mismatch: the file is corrupt");
+  return body;
+}
+
+}  // namespace impl
+}  // namespace kfac
