@@ -330,8 +330,9 @@ TEST_CASE("input and output-gradient sample counts that differ at step() can be 
   CHECK(same_bits(pre.layer_as<KLayer<kfac::Dense>>("fc").factor_a(), twin.layer_as<KLayer<kfac::Dense>>("fc").factor_a()));
 }
 
-TEST_CASE("a layer registered after step 0 has no factors on a non-factor step", "[errors][step]") {
-  // The twin never saw the late layer; "fc" must stay as the twin's after step 0.
+TEST_CASE("a layer registered after step 0 must be observed at the next step", "[errors][step]") {
+  // Registering late makes the next step a factor-update and decomposition step; stepping without
+  // observing the new layer is refused (it has no factors yet) and changes nothing.
   Pre pre(twin_options().with_factor_update_steps(2)), twin(twin_options().with_factor_update_steps(2));
   for (Pre* p : {&pre, &twin}) p->register_layer<kfac::Dense>("fc", kfac::Dense(3, 2));
   Rng rng(4);
@@ -341,14 +342,16 @@ TEST_CASE("a layer registered after step 0 has no factors on a non-factor step",
   dt.feed(twin, "fc");
   pre.step();
   twin.step();
+  REQUIRE_FALSE(pre.wants_observations());  // step 1 is not a factor step ...
   pre.register_layer<kfac::Dense>("late", kfac::Dense(2, 2, false));
-  REQUIRE_FALSE(pre.wants_observations());  // step 1 is not a factor step
+  CHECK(pre.wants_observations());  // ... until a layer arrives late
+  CHECK(pre.will_decompose());
   const DenseBatch d1(3, 2, true, 4, rng), late(2, 2, false, 4, rng);
   const auto w1 = clone(d1.w);
   const auto late_w = clone(late.w);
   d1.feed(pre, "fc");
-  late.feed(pre, "late");  // observations off a factor step are ignored
-  expect_error([&] { pre.step(); }, "late", {"has no factors yet", "observed on a factor-update step"});
+  pre.set_gradient("late", late.w);  // gradient but no observations
+  expect_error([&] { pre.step(); }, "late", {"no observations were given", "factor update at step 1"});
   CHECK(pre.step_count() == 1);
   CHECK(pre.last_factor_step() == 0);
   CHECK(pre.last_decomposition_step() == 0);
@@ -358,6 +361,10 @@ TEST_CASE("a layer registered after step 0 has no factors on a non-factor step",
   const auto& fc_twin = twin.layer_as<KLayer<kfac::Dense>>("fc");
   CHECK(same_bits(fc.factor_a(), fc_twin.factor_a()));
   CHECK(same_bits(fc.factor_g(), fc_twin.factor_g()));
+  late.feed(pre, "late");  // now complete: the step goes through
+  pre.step();
+  CHECK(pre.layer("late").has_factors());
+  CHECK(pre.last_factor_step() == 1);
 }
 
 TEST_CASE("non-positive damping is refused", "[errors][damping]") {

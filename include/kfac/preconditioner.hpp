@@ -94,6 +94,10 @@ class Preconditioner {
     entry.skipped = skipped(name, LayerType::kind);
     layers_.push_back(std::move(entry));
     registration_checked_ = false;
+    // A layer registered after training started gets factors and a decomposition at the next
+    // step, so the next step is made a factor-update and decomposition step.
+    next_factor_step_ = std::min(next_factor_step_, step_);
+    next_inv_step_ = std::min(next_inv_step_, step_);
   }
 
   /// \brief True on factor-update steps: observations are used only then (and ignored otherwise).
@@ -153,6 +157,9 @@ class Preconditioner {
                   "kfac::set_gradient: gradients must have the Preconditioner's Scalar type");
     static_assert(Kokkos::SpaceAccessibility<Exec, typename W::memory_space>::accessible,
                   "kfac::set_gradient: gradient not accessible from the execution space");
+    static_assert(!std::is_const<typename W::value_type>::value &&
+                      !std::is_const<typename B::value_type>::value,
+                  "kfac::set_gradient: gradients are preconditioned in place; pass non-const views");
     const index_t rows = e.layer->weight_rows(), cols = e.layer->weight_cols();
     long n = 1;
     for (unsigned r = 0; r < W::rank; ++r) n *= long(weight.extent(r));
@@ -408,6 +415,8 @@ class Preconditioner {
     step_ = counters[0];
     next_factor_step_ = counters[1];
     next_inv_step_ = counters[2];
+    for (const auto& p : plan)  // a layer saved without factors gets them at the next step
+      if (!p.has_factors) next_factor_step_ = next_inv_step_ = step_;
     last_factor_step_ = counters[3];
     last_inv_step_ = counters[4];
     poisoned_ = false;
