@@ -80,3 +80,31 @@ TEST_CASE("Cholesky and Newton-Schulz equal the factored damped inverse", "[inve
   check_dense<float, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, false);
   check_dense<float, kfac::Symmetric, kfac::NewtonSchulz, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, false);
 }
+
+TEST_CASE("symmetric factors expose their packed upper triangle", "[factor][symmetric]") {
+  using Host = Kokkos::DefaultHostExecutionSpace;
+  kfac::Preconditioner<double, Host> pre(kfac::Options{}.with_kl_clip(0.0));
+  pre.register_layer<kfac::Dense>("fc", kfac::Dense(4, 3));
+  Rng rng(3);
+  auto x = random_view<double>(5, 4, rng);
+  auto g = random_view<double>(5, 3, rng);
+  auto w = random_view<double>(3, 4, rng);
+  auto b = random_vector<double>(3, rng);
+  pre.observe_input("fc", x);
+  pre.observe_output_grad("fc", g);
+  pre.set_gradient("fc", w, b);
+  pre.step();
+  using L = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
+                                 kfac::DoublePrecision, double, Host>;
+  const auto& layer = pre.layer_as<L>("fc");
+  const auto packed = layer.packed_factor(0);
+  REQUIRE(packed.extent(0) == 5u * 6u / 2u);  // a_dim = 5 with the bias column
+  // A = [x 1]^T [x 1] / 5 (loss reduction mean scales G only), packed column by column
+  MatrixXd xa(5, 5);
+  xa.leftCols(4) = to_eigen(x);
+  xa.col(4).setOnes();
+  const MatrixXd a = xa.transpose() * xa / 5.0;
+  std::size_t k = 0;
+  for (int j = 0; j < 5; ++j)
+    for (int i = 0; i <= j; ++i, ++k) CHECK(packed(k) == Approx(a(i, j)).epsilon(1e-14));
+}

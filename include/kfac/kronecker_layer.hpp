@@ -276,6 +276,19 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   /// (a_dim x 1) for Diagonal.
   const FMatrix& factor_a() const { return a_; }
   const FMatrix& factor_g() const { return g_; }
+  /// The packed upper triangle of A or G (column by column: A(0,0), A(0,1), A(1,1), A(0,2), ...),
+  /// n(n+1)/2 values: what distribution sends for Symmetric factors.
+  Kokkos::View<F*, typename Exec::memory_space> packed_factor(int which) const {
+    static_assert(!diagonal, "packed_factor: diagonal factors have no triangle");
+    const FMatrix f = which == 0 ? a_ : g_;
+    const int n = int(f.extent(0));
+    Kokkos::View<F*, typename Exec::memory_space> p("kfac::layer::packed", std::size_t(n) * (n + 1) / 2);
+    Kokkos::parallel_for(
+        "kfac::layer::pack", Kokkos::RangePolicy<Exec>(0, n), KOKKOS_LAMBDA(int j) {
+          for (int i = 0; i <= j; ++i) p(std::size_t(j) * (j + 1) / 2 + i) = f(i, j);
+        });
+    return p;
+  }
   const Fact* decomposition_a() const { return fa_.get(); }
   const Fact* decomposition_g() const { return fg_.get(); }
 
