@@ -27,25 +27,27 @@ class BatchNorm2d {
 
   Tensor forward(const Tensor& x, Mode mode) {
     const int n = int(x.extent(0)), c_n = channels_, h = int(x.extent(2)), w = int(x.extent(3));
-    const int hw = h * w;
     const Vector inv_std = inv_std_, rmean = running_mean_, rvar = running_var_;
     const Vector mean = mean_;
     const float eps = float(eps_), mom = float(momentum_);
     if (mode == Mode::train) {
-      const double m = double(n) * hw;
+      const double m = double(n) * h * w;
       Kokkos::parallel_for("nn::bn::batch_stats", Kokkos::RangePolicy<ExecSpace>(0, c_n),
                            KOKKOS_LAMBDA(const int c) {
+                             // Two passes (mean, then squared deviations) for an accurate variance.
                              double sum = 0.0, sum_sq = 0.0;
-                             for (int s = 0; s < n; ++s)
-                               for (int r = 0; r < h; ++r)
-                                 for (int col = 0; col < w; ++col) sum += x(s, c, r, col);
+                             for (int s = 0; s < n; ++s) {
+                               const float* plane = &x(s, c, 0, 0);  // H*W contiguous values
+                               sum += sum_of(h * w, [&](int q) { return double(plane[q]); });
+                             }
                              const double mu = sum / m;
-                             for (int s = 0; s < n; ++s)
-                               for (int r = 0; r < h; ++r)
-                                 for (int col = 0; col < w; ++col) {
-                                   const double d = x(s, c, r, col) - mu;
-                                   sum_sq += d * d;
-                                 }
+                             for (int s = 0; s < n; ++s) {
+                               const float* plane = &x(s, c, 0, 0);
+                               sum_sq += sum_of(h * w, [&](int q) {
+                                 const double d = plane[q] - mu;
+                                 return d * d;
+                               });
+                             }
                              const double var = sum_sq / m;
                              mean(c) = float(mu);
                              inv_std(c) = float(1.0 / std::sqrt(var + eps));
@@ -61,12 +63,11 @@ class BatchNorm2d {
     }
     const Tensor xhat = xhat_.tensor(n, c_n, h, w), y = y_.tensor(n, c_n, h, w);
     const Vector gamma = gamma_, beta = beta_;
-    Kokkos::parallel_for("nn::bn::normalize", Kokkos::RangePolicy<ExecSpace>(0, n * c_n * hw),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int q = i % hw, c = (i / hw) % c_n, s = i / (hw * c_n);
-                           const float v = (x(s, c, q / w, q % w) - mean(c)) * inv_std(c);
-                           xhat(s, c, q / w, q % w) = v;
-                           y(s, c, q / w, q % w) = gamma(c) * v + beta(c);
+    Kokkos::parallel_for("nn::bn::normalize", range4(n, c_n, h, w),
+                         KOKKOS_LAMBDA(const int s, const int c, const int r, const int col) {
+                           const float v = (x(s, c, r, col) - mean(c)) * inv_std(c);
+                           xhat(s, c, r, col) = v;
+                           y(s, c, r, col) = gamma(c) * v + beta(c);
                          });
     xhat_view_ = xhat;
     return y;
@@ -81,13 +82,12 @@ class BatchNorm2d {
     Kokkos::parallel_for("nn::bn::param_grad", Kokkos::RangePolicy<ExecSpace>(0, c_n),
                          KOKKOS_LAMBDA(const int c) {
                            double sg = 0.0, sb = 0.0;
-                           for (int s = 0; s < n; ++s)
-                             for (int r = 0; r < h; ++r)
-                               for (int col = 0; col < w; ++col) {
-                                 const double g = dy(s, c, r, col);
-                                 sg += g * xhat(s, c, r, col);
-                                 sb += g;
-                               }
+                           for (int s = 0; s < n; ++s) {
+                             const float* g = &dy(s, c, 0, 0);
+                             const float* xh = &xhat(s, c, 0, 0);
+                             sg += sum_of(h * w, [&](int q) { return double(g[q]) * double(xh[q]); });
+                             sb += sum_of(h * w, [&](int q) { return double(g[q]); });
+                           }
                            dgamma(c) = float(sg);
                            dbeta(c) = float(sb);
                          });
@@ -96,9 +96,8 @@ class BatchNorm2d {
     const Tensor dx = dx_.tensor(n, c_n, h, w);
     const Vector gamma = gamma_, inv_std = inv_std_;
     const float m = float(n) * float(h) * float(w);
-    Kokkos::parallel_for("nn::bn::input_grad", Kokkos::RangePolicy<ExecSpace>(0, n * c_n * h * w),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int col = i % w, r = (i / w) % h, c = (i / (w * h)) % c_n, s = i / (w * h * c_n);
+    Kokkos::parallel_for("nn::bn::input_grad", range4(n, c_n, h, w),
+                         KOKKOS_LAMBDA(const int s, const int c, const int r, const int col) {
                            dx(s, c, r, col) = gamma(c) * inv_std(c) / m *
                                               (m * dy(s, c, r, col) - dbeta(c) - xhat(s, c, r, col) * dgamma(c));
                          });

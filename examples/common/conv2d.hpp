@@ -24,9 +24,12 @@ struct Conv2dShape {
 
 /// \brief Conv2d with weight (O, C, kh, kw) and optional bias (O).
 ///
-/// The batch is unfolded into one patch matrix `cols` of shape (N*Ho*Wo, C*kh*kw), so forward
-/// and both gradients are single GEMMs; the unfold and its adjoint are plain gathers, which keeps
-/// every kernel free of atomics and the results bitwise repeatable.
+/// The whole batch is unfolded into one patch matrix `cols` of shape (K, N*P), K = C*kh*kw patch
+/// entries by N*P output locations (P = Ho*Wo), so forward and both gradients are single GEMMs:
+/// \f$Y = W\,\mathrm{cols}\f$, \f$dW = dY\,\mathrm{cols}^T\f$, \f$d\mathrm{cols} = W^T dY\f$ with
+/// Y and dY in (O, N*P) order. In that order every other kernel reads and writes whole rows of
+/// Wo contiguous values: the unfold, its adjoint (fold) and the reordering to NCHW. Each
+/// kernel writes each output once, so there are no atomics and results repeat bitwise.
 class Conv2d {
  public:
   Conv2d(Conv2dShape shape, Init init, SplitMix64& rng)
@@ -34,8 +37,8 @@ class Conv2d {
         bias_("nn::conv2d::b", shape.bias ? shape.out_channels : 0),
         dweight_("nn::conv2d::dW", shape.out_channels, shape.in_channels, shape.kernel_h, shape.kernel_w),
         dbias_("nn::conv2d::db", shape.bias ? shape.out_channels : 0), cols_("nn::conv2d::cols"),
-        ycols_("nn::conv2d::ycols"), y_("nn::conv2d::y"), dycols_("nn::conv2d::dycols"),
-        dcols_("nn::conv2d::dcols"), dx_("nn::conv2d::dx") {
+        ymat_("nn::conv2d::ymat"), y_("nn::conv2d::y"), dymat_("nn::conv2d::dymat"), dcols_("nn::conv2d::dcols"),
+        dx_("nn::conv2d::dx") {
     if (shape.stride < 1 || shape.padding < 0 || shape.kernel_h < 1 || shape.kernel_w < 1)
       throw std::invalid_argument("nn::Conv2d: expected stride >= 1, padding >= 0, kernel >= 1");
     fill_uniform(weight_, init_bound(init, long(patch_size())), rng);
@@ -49,19 +52,19 @@ class Conv2d {
       throw std::invalid_argument("nn::Conv2d: input channels do not match the layer");
     x_ = x;
     const int n = int(x.extent(0)), ho = out_height(int(x.extent(2))), wo = out_width(int(x.extent(3)));
-    const int o_ch = s_.out_channels, p = ho * wo;
-    const Matrix cols = cols_.matrix(std::size_t(n) * p, patch_size());
+    const int o_ch = s_.out_channels;
+    const Matrix cols = cols_.matrix(patch_size(), std::size_t(n) * ho * wo);
     unfold(x, cols, ho, wo);
-    const Matrix ycols = ycols_.matrix(std::size_t(n) * p, o_ch);
-    KokkosBlas::gemm("N", "T", 1.0f, cols, weight_matrix(weight_), 0.0f, ycols);
+    const Matrix ymat = ymat_.matrix(o_ch, std::size_t(n) * ho * wo);
+    KokkosBlas::gemm("N", "N", 1.0f, weight_matrix(weight_), cols, 0.0f, ymat);
 
     const Tensor y = y_.tensor(n, o_ch, ho, wo);
     const Vector b = bias_;
     const bool has_bias = s_.bias;
-    Kokkos::parallel_for("nn::conv2d::to_nchw", Kokkos::RangePolicy<ExecSpace>(0, n * o_ch * p),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int q = i % p, o = (i / p) % o_ch, s = i / (p * o_ch);
-                           y(s, o, q / wo, q % wo) = ycols(s * p + q, o) + (has_bias ? b(o) : 0.0f);
+    Kokkos::parallel_for("nn::conv2d::to_nchw", range3(n, o_ch, ho),
+                         KOKKOS_LAMBDA(const int s, const int o, const int i) {
+                           const float bo = has_bias ? b(o) : 0.0f;
+                           for (int j = 0; j < wo; ++j) y(s, o, i, j) = ymat(o, (s * ho + i) * wo + j) + bo;
                          });
     return y;
   }
@@ -69,28 +72,26 @@ class Conv2d {
   Tensor backward(const Tensor& dy, bool need_dx) {
     dy_ = dy;
     const int n = int(dy.extent(0)), o_ch = s_.out_channels, ho = int(dy.extent(2)), wo = int(dy.extent(3));
-    const int p = ho * wo;
-    const Matrix dycols = dycols_.matrix(std::size_t(n) * p, o_ch);
-    Kokkos::parallel_for("nn::conv2d::from_nchw", Kokkos::RangePolicy<ExecSpace>(0, n * p * o_ch),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int o = i % o_ch, q = (i / o_ch) % p, s = i / (o_ch * p);
-                           dycols(s * p + q, o) = dy(s, o, q / wo, q % wo);
+    const Matrix dymat = dymat_.matrix(o_ch, std::size_t(n) * ho * wo);
+    Kokkos::parallel_for("nn::conv2d::from_nchw", range3(n, o_ch, ho),
+                         KOKKOS_LAMBDA(const int s, const int o, const int i) {
+                           for (int j = 0; j < wo; ++j) dymat(o, (s * ho + i) * wo + j) = dy(s, o, i, j);
                          });
-    const Matrix cols = cols_.matrix(std::size_t(n) * p, patch_size());
-    KokkosBlas::gemm("T", "N", 1.0f, dycols, cols, 0.0f, weight_matrix(dweight_));
+    const Matrix cols = cols_.matrix(patch_size(), std::size_t(n) * ho * wo);
+    KokkosBlas::gemm("N", "T", 1.0f, dymat, cols, 0.0f, weight_matrix(dweight_));
     if (s_.bias) {
       const Vector db = dbias_;
+      const int m = n * ho * wo;
       Kokkos::parallel_for("nn::conv2d::bias_grad", Kokkos::RangePolicy<ExecSpace>(0, o_ch),
                            KOKKOS_LAMBDA(const int o) {
                              double sum = 0.0;
-                             for (int s = 0; s < n; ++s)
-                               for (int q = 0; q < p; ++q) sum += dy(s, o, q / wo, q % wo);
+                             for (int q = 0; q < m; ++q) sum += dymat(o, q);
                              db(o) = float(sum);
                            });
     }
     if (!need_dx) return Tensor();
-    const Matrix dcols = dcols_.matrix(std::size_t(n) * p, patch_size());
-    KokkosBlas::gemm("N", "N", 1.0f, dycols, weight_matrix(weight_), 0.0f, dcols);
+    const Matrix dcols = dcols_.matrix(patch_size(), std::size_t(n) * ho * wo);
+    KokkosBlas::gemm("T", "N", 1.0f, weight_matrix(weight_), dymat, 0.0f, dcols);
     const Tensor dx = dx_.tensor(n, x_.extent(1), x_.extent(2), x_.extent(3));
     fold(dcols, dx, ho, wo);
     return dx;
@@ -115,39 +116,45 @@ class Conv2d {
 
   Matrix weight_matrix(const Tensor& w) const { return Matrix(w.data(), s_.out_channels, patch_size()); }
 
-  /// cols(s*P + oh*Wo + ow, c*kh*kw + ki*kw + kj) = x(s, c, oh*stride - pad + ki, ow*stride - pad + kj), 0 outside.
+  /// cols(c*kh*kw + a*kw + e, (s*Ho + i)*Wo + j) = x(s, c, i*stride - pad + a, j*stride - pad + e),
+  /// 0 in the padding. One work item per (patch entry, sample, output row).
   void unfold(const Tensor& x, const Matrix& cols, int ho, int wo) const {
-    const int k = int(cols.extent(1)), kh = s_.kernel_h, kw = s_.kernel_w, st = s_.stride, pad = s_.padding;
-    const int h = int(x.extent(2)), w = int(x.extent(3)), p = ho * wo;
-    Kokkos::parallel_for("nn::conv2d::unfold", Kokkos::RangePolicy<ExecSpace>(0, int(cols.size())),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int row = i / k, col = i % k;
-                           const int s = row / p, q = row % p;
-                           const int c = col / (kh * kw), kj = col % kw, ki = (col / kw) % kh;
-                           const int ih = (q / wo) * st - pad + ki, iw = (q % wo) * st - pad + kj;
-                           cols(row, col) = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x(s, c, ih, iw) : 0.0f;
+    const int kh = s_.kernel_h, kw = s_.kernel_w, st = s_.stride, pad = s_.padding;
+    const int h = int(x.extent(2)), w = int(x.extent(3));
+    Kokkos::parallel_for("nn::conv2d::unfold", range3(cols.extent(0), x.extent(0), ho),
+                         KOKKOS_LAMBDA(const int k, const int s, const int i) {
+                           const int c = k / (kh * kw), a = (k / kw) % kh, e = k % kw;
+                           const int ih = i * st - pad + a;
+                           const int q0 = (s * ho + i) * wo;
+                           for (int j = 0; j < wo; ++j) {
+                             const int iw = j * st - pad + e;
+                             cols(k, q0 + j) = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x(s, c, ih, iw) : 0.0f;
+                           }
                          });
   }
 
-  /// The adjoint of unfold: each input pixel sums the patch entries that copied it.
+  /// The adjoint of unfold: dx(s, c) accumulates every patch entry that copied one of its pixels.
+  /// One work item per (sample, channel), visiting patch entries in a fixed order: no atomics.
   void fold(const Matrix& dcols, const Tensor& dx, int ho, int wo) const {
     const int kh = s_.kernel_h, kw = s_.kernel_w, st = s_.stride, pad = s_.padding;
-    const int c_in = int(dx.extent(1)), h = int(dx.extent(2)), w = int(dx.extent(3)), p = ho * wo;
-    Kokkos::parallel_for("nn::conv2d::fold", Kokkos::RangePolicy<ExecSpace>(0, int(dx.size())),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int iw = i % w, ih = (i / w) % h, c = (i / (w * h)) % c_in, s = i / (w * h * c_in);
-                           float sum = 0.0f;
-                           for (int ki = 0; ki < kh; ++ki) {
-                             const int oh_st = ih + pad - ki;
-                             if (oh_st < 0 || oh_st % st != 0 || oh_st / st >= ho) continue;
-                             for (int kj = 0; kj < kw; ++kj) {
-                               const int ow_st = iw + pad - kj;
-                               if (ow_st < 0 || ow_st % st != 0 || ow_st / st >= wo) continue;
-                               sum += dcols(s * p + (oh_st / st) * wo + ow_st / st, (c * kh + ki) * kw + kj);
-                             }
-                           }
-                           dx(s, c, ih, iw) = sum;
-                         });
+    const int h = int(dx.extent(2)), w = int(dx.extent(3));
+    Kokkos::parallel_for("nn::conv2d::fold", range2(dx.extent(0), dx.extent(1)), KOKKOS_LAMBDA(const int s, const int c) {
+      for (int ih = 0; ih < h; ++ih)
+        for (int iw = 0; iw < w; ++iw) dx(s, c, ih, iw) = 0.0f;
+      for (int a = 0; a < kh; ++a)
+        for (int e = 0; e < kw; ++e) {
+          const int k = (c * kh + a) * kw + e;
+          for (int i = 0; i < ho; ++i) {
+            const int ih = i * st - pad + a;
+            if (ih < 0 || ih >= h) continue;
+            const int q0 = (s * ho + i) * wo;
+            for (int j = 0; j < wo; ++j) {
+              const int iw = j * st - pad + e;
+              if (iw >= 0 && iw < w) dx(s, c, ih, iw) += dcols(k, q0 + j);
+            }
+          }
+        }
+    });
   }
 
   Conv2dShape s_;
@@ -155,7 +162,7 @@ class Conv2d {
   Vector bias_;
   Tensor dweight_;
   Vector dbias_;
-  Buffer<float> cols_, ycols_, y_, dycols_, dcols_, dx_;
+  Buffer<float> cols_, ymat_, y_, dymat_, dcols_, dx_;
   Tensor x_, dy_;
 };
 

@@ -105,20 +105,16 @@ class Batcher {
   /// \brief The step-th batch of the current epoch, gathered into storage this Batcher owns.
   Batch get(int step) {
     const Tensor& im = data_.images;
-    const int b = batch_, c = int(im.extent(1)), h = int(im.extent(2)), w = int(im.extent(3)), chw = c * h * w;
-    const Tensor x = x_.tensor(b, c, h, w);
-    const auto y = y_.matrix(b, 1);
-    const Tensor images = im;
-    const Labels labels = data_.labels;
-    const Labels order = order_;
+    const int b = batch_;
+    const Tensor x = x_.tensor(b, im.extent(1), im.extent(2), im.extent(3));
+    const Matrix dst = as_matrix(x), src = as_matrix(im);
+    const Labels y(y_.matrix(b, 1).data(), b), labels = data_.labels, order = order_;
     const int first = step * b;
-    Kokkos::parallel_for("nn::batcher::gather", Kokkos::RangePolicy<ExecSpace>(0, b * chw),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int s = i / chw, k = i % chw, src = order(first + s);
-                           x(s, k / (h * w), (k / w) % h, k % w) = images(src, k / (h * w), (k / w) % h, k % w);
-                           if (k == 0) y(s, 0) = labels(src);
-                         });
-    return {x, Labels(y.data(), b)};
+    Kokkos::parallel_for("nn::batcher::gather", range2(b, dst.extent(1)), KOKKOS_LAMBDA(const int s, const int k) {
+      dst(s, k) = src(order(first + s), k);
+      if (k == 0) y(s) = labels(order(first + s));
+    });
+    return {x, y};
   }
 
  private:

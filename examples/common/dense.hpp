@@ -33,9 +33,8 @@ class Dense {
     KokkosBlas::gemm("N", "T", 1.0f, xm, weight_, 0.0f, y);
     if (has_bias_) {
       const Vector b = bias_;
-      const int out = out_;
-      Kokkos::parallel_for("nn::dense::add_bias", Kokkos::RangePolicy<ExecSpace>(0, n * out),
-                           KOKKOS_LAMBDA(const int i) { y(i / out, i % out) += b(i % out); });
+      Kokkos::parallel_for("nn::dense::add_bias", range2(n, out_),
+                           KOKKOS_LAMBDA(const int i, const int o) { y(i, o) += b(o); });
     }
     return as_tensor(y);
   }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -75,6 +76,17 @@ inline void read_exact(GzFile& f, const std::string& path, void* dst, std::size_
                        std::to_string(done));
 }
 
+/// The last 4 bytes of a gzip file, little-endian: the uncompressed size mod 2^32.
+inline std::uint32_t gzip_size_field(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  unsigned char b[4] = {0, 0, 0, 0};
+  if (in && in.tellg() >= 4) {
+    in.seekg(-4, std::ios::end);
+    in.read(reinterpret_cast<char*>(b), 4);
+  }
+  return std::uint32_t(b[0]) | (std::uint32_t(b[1]) << 8) | (std::uint32_t(b[2]) << 16) | (std::uint32_t(b[3]) << 24);
+}
+
 }  // namespace detail
 
 /// \brief Reads a whole IDX file of unsigned bytes.
@@ -103,7 +115,8 @@ inline IdxArray read_idx(const std::string& path) {
     detail::read_exact(f, path, be, 4, "header");
     const std::size_t n = (std::size_t(be[0]) << 24) | (std::size_t(be[1]) << 16) | (std::size_t(be[2]) << 8) | be[3];
     if (n == 0) detail::idx_fail(path, "dimension " + std::to_string(d) + " is zero");
-    if (total > (std::size_t(1) << 32) / n) detail::idx_fail(path, "implausibly large dimensions");
+    // The buffer is allocated before the data is read, so a corrupt header must not ask for much.
+    if (total > (std::size_t(1) << 30) / n) detail::idx_fail(path, "implausibly large dimensions (over 1 GiB)");
     total *= n;
     a.dims.push_back(n);
   }
@@ -117,7 +130,13 @@ inline IdxArray read_idx(const std::string& path) {
     detail::idx_fail(path, std::string("corrupt data after the payload (zlib: ") + gzerror(f.get(), &err) + ")");
   }
   if (tail > 0) detail::idx_fail(path, "unexpected bytes after the data the header announces");
+  const bool compressed = !gzdirect(f.get());
   if (f.close() != Z_OK) detail::idx_fail(path, "the gzip stream is truncated or its checksum is wrong");
+  // zlib does not notice a gzip trailer cut short once it has seen the end of the file, so
+  // compare the trailer's size field (uncompressed length mod 2^32) with what was read. That
+  // assumes one gzip member, as the IDX distributions are.
+  if (compressed && detail::gzip_size_field(path) != std::uint32_t(4 + 4 * rank + total))
+    detail::idx_fail(path, "truncated gzip stream (its size field does not match the data)");
   return a;
 }
 

@@ -28,20 +28,24 @@ namespace nn {
 /// | double | lr | SGD learning rate, also the one KL clipping assumes | 0.1 |
 /// | double | momentum | SGD momentum applied to the preconditioned gradient | 0.9 |
 /// | double | weight_decay | L2 on weights, added after preconditioning (as kfac-pytorch does) | 0 |
-/// | double | damping | Tikhonov damping of the factors | 1e-3 |
+/// | double | damping | Tikhonov damping of the factors | 0.1 |
 /// | double | kl_clip | bound on the step's KL divergence; 0 disables | 1e-3 |
 /// | double | factor_decay | running-average weight of the old factors | 0.95 |
-/// | long | factor_update_steps | steps between factor updates | 1 |
-/// | long | inv_update_steps | steps between decompositions | 10 |
+/// | long | factor_update_steps | steps between factor updates | 10 |
+/// | long | inv_update_steps | steps between decompositions | 100 |
+///
+/// The defaults come from short sweeps on Fashion-MNIST (both models, 120-240 steps, batch 256):
+/// damping 1e-3 let momentum SGD diverge on the MLP; 0.03-0.1 were stable and alike. Updating
+/// factors every step and decomposing every 10 doubled the CNN's step time for no visible gain.
 struct KfacSettings {
   double lr = 0.1;
   double momentum = 0.9;
   double weight_decay = 0.0;
-  double damping = 1e-3;
+  double damping = 0.1;
   double kl_clip = 1e-3;
   double factor_decay = 0.95;
-  long factor_update_steps = 1;
-  long inv_update_steps = 10;
+  long factor_update_steps = 10;
+  long inv_update_steps = 100;
 };
 
 #if KFAC_EXAMPLES_HAVE_KFAC

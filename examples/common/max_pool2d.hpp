@@ -16,17 +16,18 @@ class MaxPool2d {
     const int n = int(x.extent(0)), c_n = int(x.extent(1)), ho = int(x.extent(2)) / 2, wo = int(x.extent(3)) / 2;
     const Tensor y = y_.tensor(n, c_n, ho, wo);
     const auto arg = arg_.tensor(n, c_n, ho, wo);
-    Kokkos::parallel_for("nn::maxpool::forward", Kokkos::RangePolicy<ExecSpace>(0, n * c_n * ho * wo),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int ow = i % wo, oh = (i / wo) % ho, c = (i / (wo * ho)) % c_n, s = i / (wo * ho * c_n);
-                           int best = 0;
-                           float v = x(s, c, 2 * oh, 2 * ow);
-                           for (int j = 1; j < 4; ++j) {  // first maximum wins ties
-                             const float u = x(s, c, 2 * oh + j / 2, 2 * ow + j % 2);
-                             if (u > v) { v = u; best = j; }
+    // Rows in parallel, columns in an inner loop with unconditional loads (see for_each_piece).
+    Kokkos::parallel_for("nn::maxpool::forward", range3(n, c_n, ho),
+                         KOKKOS_LAMBDA(const int s, const int c, const int oh) {
+                           for (int ow = 0; ow < wo; ++ow) {
+                             const float a = x(s, c, 2 * oh, 2 * ow), b = x(s, c, 2 * oh, 2 * ow + 1),
+                                         d = x(s, c, 2 * oh + 1, 2 * ow), e = x(s, c, 2 * oh + 1, 2 * ow + 1);
+                             // The first maximum in row-major order wins ties.
+                             const float ab = b > a ? b : a, de = e > d ? e : d;
+                             const int i_ab = b > a ? 1 : 0, i_de = e > d ? 3 : 2;
+                             y(s, c, oh, ow) = de > ab ? de : ab;
+                             arg(s, c, oh, ow) = de > ab ? i_de : i_ab;
                            }
-                           y(s, c, oh, ow) = v;
-                           arg(s, c, oh, ow) = best;
                          });
     in_shape_[0] = n; in_shape_[1] = c_n; in_shape_[2] = int(x.extent(2)); in_shape_[3] = int(x.extent(3));
     arg_view_ = arg;
@@ -38,13 +39,18 @@ class MaxPool2d {
     if (!need_dx) return Tensor();
     const Tensor dx = dx_.tensor(in_shape_[0], in_shape_[1], in_shape_[2], in_shape_[3]);
     const auto arg = arg_view_;
-    const int c_n = in_shape_[1], h = in_shape_[2], w = in_shape_[3], ho = h / 2, wo = w / 2;
-    Kokkos::parallel_for("nn::maxpool::backward", Kokkos::RangePolicy<ExecSpace>(0, int(dx.size())),
-                         KOKKOS_LAMBDA(const int i) {
-                           const int iw = i % w, ih = (i / w) % h, c = (i / (w * h)) % c_n, s = i / (w * h * c_n);
-                           const int oh = ih / 2, ow = iw / 2;
-                           const bool won = oh < ho && ow < wo && arg(s, c, oh, ow) == (ih % 2) * 2 + iw % 2;
-                           dx(s, c, ih, iw) = won ? dy(s, c, oh, ow) : 0.0f;
+    const int ho = in_shape_[2] / 2, wo = in_shape_[3] / 2, w = in_shape_[3];
+    Kokkos::parallel_for("nn::maxpool::backward", range3(dx.extent(0), dx.extent(1), dx.extent(2)),
+                         KOKKOS_LAMBDA(const int s, const int c, const int ih) {
+                           const int oh = ih / 2 < ho ? ih / 2 : ho - 1;  // clamped: loads stay in bounds
+                           const bool row_pooled = ih / 2 < ho;
+                           for (int iw = 0; iw < w; ++iw) {
+                             const int ow = iw / 2 < wo ? iw / 2 : wo - 1;
+                             const float g = dy(s, c, oh, ow);
+                             const int k = arg(s, c, oh, ow);
+                             const bool won = row_pooled && iw / 2 < wo && k == (ih % 2) * 2 + iw % 2;
+                             dx(s, c, ih, iw) = won ? g : 0.0f;
+                           }
                          });
     return dx;
   }

@@ -14,13 +14,13 @@ class ReLU {
 
   Tensor forward(const Tensor& x, Mode) {
     const Tensor y = y_.tensor(x.extent(0), x.extent(1), x.extent(2), x.extent(3));
-    const Matrix xm = as_matrix(x), ym = as_matrix(y);
-    const int k = int(xm.extent(1));
-    Kokkos::parallel_for("nn::relu::forward", Kokkos::RangePolicy<ExecSpace>(0, int(x.size())),
-                         KOKKOS_LAMBDA(const int i) {
-                           const float v = xm(i / k, i % k);
-                           ym(i / k, i % k) = v > 0.0f ? v : 0.0f;
-                         });
+    const Vector xv = as_vector(x), yv = as_vector(y);
+    for_each_piece("nn::relu::forward", x.size(), KOKKOS_LAMBDA(const std::size_t begin, const std::size_t end) {
+      for (std::size_t i = begin; i < end; ++i) {
+        const float v = xv(i);
+        yv(i) = v > 0.0f ? v : 0.0f;
+      }
+    });
     y_view_ = y;
     return y;
   }
@@ -29,12 +29,13 @@ class ReLU {
   Tensor backward(const Tensor& dy, bool need_dx) {
     if (!need_dx) return Tensor();
     const Tensor dx = dx_.tensor(dy.extent(0), dy.extent(1), dy.extent(2), dy.extent(3));
-    const Matrix dym = as_matrix(dy), dxm = as_matrix(dx), ym = as_matrix(y_view_);
-    const int k = int(dym.extent(1));
-    Kokkos::parallel_for("nn::relu::backward", Kokkos::RangePolicy<ExecSpace>(0, int(dy.size())),
-                         KOKKOS_LAMBDA(const int i) {
-                           dxm(i / k, i % k) = ym(i / k, i % k) > 0.0f ? dym(i / k, i % k) : 0.0f;
-                         });
+    const Vector dyv = as_vector(dy), dxv = as_vector(dx), yv = as_vector(y_view_);
+    for_each_piece("nn::relu::backward", dy.size(), KOKKOS_LAMBDA(const std::size_t begin, const std::size_t end) {
+      for (std::size_t i = begin; i < end; ++i) {
+        const float g = dyv(i), v = yv(i);
+        dxv(i) = v > 0.0f ? g : 0.0f;
+      }
+    });
     return dx;
   }
 
