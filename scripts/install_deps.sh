@@ -9,6 +9,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libopenblas-dev liblapacke-dev
   zlib1g-dev gnuplot-nox
+  clang libclang-rt-14-dev
   dataset-fashion-mnist
 )
 missing=()

@@ -315,3 +315,40 @@ TEST_CASE("distributed checkpoints resume bit-identically; factors restore at an
   CHECK(fresh->step_count() == 3);
   CHECK(fresh->layer("fc1").has_factors());
 }
+
+TEST_CASE("every rank may load rank 0's checkpoint", "[mpi][checkpoint]") {
+  // Decompositions are restored on every rank or on none; a per-rank decision would leave the
+  // ranks disagreeing about which layers to decompose, and the next step would hang.
+  const int rank = world_rank(), size = world_size();
+  using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
+  DPre first(options(1.0), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  register_all<kfac::Symmetric>(first);
+  run(first, rank, size, 3);
+  std::ostringstream os(std::ios::binary);
+  first.save(os);
+  std::string bytes = os.str();
+  unsigned long n = bytes.size();
+  MPI_Bcast(&n, 1, MPI_UNSIGNED_LONG, 0, MPI_COMM_WORLD);
+  bytes.resize(n);
+  MPI_Bcast(&bytes[0], int(n), MPI_CHAR, 0, MPI_COMM_WORLD);
+  DPre resumed(options(1.0), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  register_all<kfac::Symmetric>(resumed);
+  std::istringstream is(bytes, std::ios::binary);
+  CHECK(resumed.load(is) == (size == 1));
+  CHECK(identical_on_all_ranks(run(resumed, rank, size, 2)));
+}
+
+TEST_CASE("a decomposition failing on one rank is an error on every rank", "[mpi][errors]") {
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
+      kfac::Options{}.with_kl_clip(0.0).with_damping(1e-30), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::NewtonSchulz>("ns", kfac::Dense(3, 2, false));
+  V2 x("x", 1, 3), g("g", 1, 2), w("w", 2, 3);
+  Kokkos::deep_copy(x, 1e15);  // cond ~ 1e45: Newton-Schulz fails even after 3 damping raises
+  Kokkos::deep_copy(g, 1.0);
+  Kokkos::deep_copy(w, 1.0);
+  pre.observe_input("ns", x);
+  pre.observe_output_grad("ns", g);
+  pre.set_gradient("ns", w);
+  CHECK_THROWS_WITH(pre.step(), Catch::Contains("layer 'ns'") && Catch::Contains("decomposition"));
+  CHECK(pre.step_count() == 0);
+}

@@ -2,6 +2,8 @@
 // reported; failed decompositions retry with more damping.
 #include <catch2/catch.hpp>
 #include <kfac/kfac.hpp>
+#include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "reference.hpp"
@@ -213,4 +215,47 @@ TEST_CASE("a decomposition that keeps failing is reported with the layer name", 
   pre.set_gradient("ns", w);
   CHECK_THROWS_WITH(pre.step(), Catch::Contains("layer 'ns'") && Catch::Contains("after 3 damping increase(s)") &&
                                     Catch::Contains("Newton-Schulz"));
+}
+
+TEST_CASE("loading a checkpoint saved before any factor update drops the old factors", "[checkpoint]") {
+  Pre empty(options()), trained(options()), fresh(options());
+  for (Pre* p : {&empty, &trained, &fresh}) register_all(*p);
+  for (long s = 0; s < 4; ++s) run_step(trained, s);
+  std::istringstream is(saved(empty), std::ios::binary);
+  trained.load(is);
+  CHECK_FALSE(trained.layer("fc1").has_factors());
+  CHECK(saved(trained) == saved(fresh));
+  CHECK(run_step(trained, 0) == run_step(fresh, 0));
+}
+
+TEST_CASE("checkpoints with impossible counters or NaN values are refused", "[checkpoint][errors]") {
+  Pre src(options());
+  register_all(src);
+  for (long s = 0; s < 4; ++s) run_step(src, s);
+  const std::string good = saved(src);
+  // Patches `value` in at `at` and recomputes the checksum, so that the body checks are reached.
+  auto patched = [&](std::size_t at, auto value) {
+    std::string b = good;
+    std::memcpy(&b[at], &value, sizeof(value));
+    const std::uint64_t sum = kfac::impl::fnv1a_bytes(b.data() + 20, b.size() - 28);
+    std::memcpy(&b[b.size() - 8], &sum, 8);
+    return b;
+  };
+  // First layer record: name and signature strings, the factor flag, the buffer count, then the
+  // first buffer's scalar size and value count before its values.
+  auto u32 = [&](std::size_t at) { std::uint32_t v; std::memcpy(&v, &good[at], 4); return std::size_t(v); };
+  const std::size_t name = 20 + 56, sig = name + 4 + u32(name), first_value = sig + 4 + u32(sig) + 1 + 4 + 1 + 8;
+  const std::size_t after_factors = first_value + 8 * (6 + 1) * (6 + 1) + 1 + 8 + 8 * 5 * 5;  // A 7x7, G 5x5
+  auto expect_refused = [&](const std::string& bytes, const std::string& what) {
+    Pre target(options());
+    register_all(target);
+    std::istringstream is(bytes, std::ios::binary);
+    CHECK_THROWS_WITH(target.load(is), Catch::Contains(what));
+    CHECK(target.step_count() == 0);
+    CHECK_FALSE(target.layer("fc1").has_factors());
+  };
+  expect_refused(patched(20, std::numeric_limits<std::int64_t>::max() - 1), "step counter");
+  expect_refused(patched(20 + 24, std::int64_t(4)), "last-update step 4 at step 4");
+  expect_refused(patched(first_value, std::numeric_limits<double>::quiet_NaN()), "layer 'fc1': checkpoint has NaN/Inf");
+  expect_refused(patched(after_factors + 1, -1.0), "layer 'fc1': checkpoint has decomposition damping -1");
 }

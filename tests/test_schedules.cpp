@@ -86,7 +86,8 @@ TEST_CASE("constant intervals given as constants", "[schedule]") {
     INFO("step " << s);
     CHECK(pre.wants_observations() == factor[s]);
     CHECK(pre.will_decompose() == inv[s]);
-    DenseBatch(2, 2, false, 3, rng).feed(pre, "fc");
+    const DenseBatch d(2, 2, false, 3, rng);  // set_gradient's views must outlive step()
+    d.feed(pre, "fc");
     pre.step();
   }
   CHECK(pre.last_factor_step() == 6);

@@ -120,6 +120,10 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
     has_factors_ = true;
   }
+  void release_factors() override {
+    f_ = decltype(f_)();
+    has_factors_ = false;
+  }
   void update_factors(const Exec& exec, double decay) override {
     if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
     const double old_w = has_factors_ ? decay : 0.0, new_w = (has_factors_ ? 1.0 - decay : 1.0) / double(samples_);

@@ -1,9 +1,9 @@
 #pragma once
 /// \file checkpoint.hpp
-/// \brief The versioned, checksummed binary checkpoint format (see docs/checkpoint.md).
+/// \brief The versioned, checksummed binary checkpoint format (see docs/reliability.md).
 ///
 /// All integers little-endian (the format is written and read on little-endian machines; a
-/// big-endian reader rejects it by its magic number).
+/// big-endian reader rejects it by its version field, which it reads as 16777216).
 ///
 ///     magic      8 bytes  "KFACCKPT"
 ///     version    u32      1
@@ -12,12 +12,14 @@
 ///     checksum   u64      FNV-1a 64 of the body
 ///
 /// Body: step counters (i64 x 5: step, next factor step, next decomposition step, last factor
-/// step, last decomposition step), damping at the last decomposition (f64), world size (i32),
-/// rank (i32), flags (u32: bit 0 = decompositions included), layer count (u32), then per layer:
-/// name (str), signature (str), has_factors (u8), factor buffers (u32 count, each: scalar size
-/// u8, value count u64, raw values), has_decomposition (u8), decomposition buffers (same form).
+/// step, last decomposition step), world size (i32), rank (i32), flags (u32: bit 0 =
+/// decompositions requested; informational, the per-layer flags decide), layer count (u32), then
+/// per layer: name (str), signature (str), has_factors (u8), factor buffers (u32 count, each:
+/// scalar size u8, value count u64, raw values), has_decomposition (u8), damping of the layer's
+/// last decomposition (f64), decomposition buffers of A, then of G (same form as the factors).
 /// str = u32 length + bytes.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <istream>
@@ -96,6 +98,22 @@ class ByteReader {
   const char* p_;
   std::size_t n_, off_ = 0;
 };
+
+/// True when `count` scalars of `scalar_size` bytes (4: float, 8: double) at `p` are all finite.
+inline bool all_finite(const char* p, std::size_t count, std::size_t scalar_size) {
+  for (std::size_t i = 0; i < count; ++i) {
+    if (scalar_size == 8) {
+      double v;
+      std::memcpy(&v, p + 8 * i, 8);
+      if (!std::isfinite(v)) return false;
+    } else {
+      float v;
+      std::memcpy(&v, p + 4 * i, 4);
+      if (!std::isfinite(v)) return false;
+    }
+  }
+  return true;
+}
 
 /// Wraps a body with magic, version, size and checksum.
 inline void write_checkpoint(std::ostream& os, const std::vector<char>& body) {

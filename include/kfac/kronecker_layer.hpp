@@ -130,6 +130,11 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     }
     has_factors_ = true;
   }
+  void release_factors() override {
+    a_ = FMatrix();
+    g_ = FMatrix();
+    has_factors_ = false;
+  }
   void update_factors(const Exec& exec, double decay) override {
     if (a_.extent(0) == 0) {
       a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);

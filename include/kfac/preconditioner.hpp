@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -322,68 +323,36 @@ class Preconditioner {
   /// \brief Restores a state written by save(). Checks version, checksum, layer names, shapes
   /// and policies first and changes nothing if any check fails. Factors are global and restore
   /// at any world size; decompositions are per rank and are restored only when the world size
-  /// and rank match (otherwise they are recomputed at the next step). Returns true when the
-  /// decompositions were restored.
+  /// and rank match on every rank (otherwise they are recomputed at the next step). Collective
+  /// with a communicator: every rank calls load(), and a checkpoint refused on one rank is
+  /// refused on all. Returns true when the decompositions were restored.
   bool load(std::istream& is) {
-    const std::vector<char> body = impl::read_checkpoint(is);
-    impl::ByteReader r(body.data(), body.size());
-    long counters[5];
-    for (long& c : counters) c = long(r.get<std::int64_t>("step counters"));
-    const int world = r.get<std::int32_t>("world size"), rank = r.get<std::int32_t>("rank");
-    r.get<std::uint32_t>("flags");
-    const std::uint32_t count = r.get<std::uint32_t>("layer count");
-    if (count != layers_.size())
-      throw Error("", "checkpoint has " + std::to_string(count) + " layers, this preconditioner has " +
-                          std::to_string(layers_.size()));
-    if (counters[0] < 0 || counters[1] < 0 || counters[2] < 0)
-      throw Error("", "checkpoint has negative step counters: corrupt");
-    const bool same_layout = world == comm_.size() && rank == comm_.rank();
-    struct Planned {
-      bool has_factors, has_decomposition;
-      double damping;
-      std::vector<const char*> factors, dec[2];
-    };
-    std::vector<Planned> plan(count);
-    for (std::uint32_t i = 0; i < count; ++i) {
-      auto& layer = *layers_[i].layer;
-      const std::string name = r.get_string("layer name");
-      const std::string sig = r.get_string("layer signature");
-      if (name != layer.name())
-        throw Error(layer.name(), "checkpoint has layer '" + name + "' in this position");
-      if (sig != layer.signature())
-        throw Error(name, "checkpoint was written for " + sig + ", this layer is " + layer.signature());
-      auto& p = plan[i];
-      p.has_factors = r.get<std::uint8_t>("factor flag") != 0;
-      auto read_buffers = [&](int part, std::vector<const char*>& out) {
-        const auto shapes = layer.buffer_shapes(part);
-        const std::uint32_t n = r.get<std::uint32_t>("buffer count");
-        if (n == 0) return;
-        if (n != shapes.size())
-          throw Error(name, "checkpoint buffer count " + std::to_string(n) + " does not match " +
-                                std::to_string(shapes.size()));
-        for (const auto& [cnt, size] : shapes) {
-          const auto ss = r.get<std::uint8_t>("scalar size");
-          const auto c = r.get<std::uint64_t>("value count");
-          if (ss != size || c != cnt)
-            throw Error(name, "checkpoint buffer has " + std::to_string(c) + " values of " +
-                                  std::to_string(int(ss)) + " bytes, expected " + std::to_string(cnt) +
-                                  " of " + std::to_string(size));
-          out.push_back(r.get_raw(std::size_t(c) * ss, "buffer values"));
-        }
-      };
-      read_buffers(0, p.factors);
-      if (p.has_factors != !p.factors.empty())
-        throw Error(name, "checkpoint factor flag disagrees with its buffers: corrupt");
-      p.has_decomposition = r.get<std::uint8_t>("decomposition flag") != 0;
-      p.damping = r.get<double>("decomposition damping");
-      read_buffers(1, p.dec[0]);
-      read_buffers(2, p.dec[1]);
-      if (p.has_decomposition && !p.has_factors)
-        throw Error(name, "checkpoint has a decomposition without factors: corrupt");
-      if (p.has_decomposition && layer.decomposed_factors() > 0 && (p.dec[0].empty() || p.dec[1].empty()))
-        throw Error(name, "checkpoint decomposition flag disagrees with its buffers: corrupt");
+    CheckpointPlan cp;
+    std::optional<Error> refused;
+    try {
+      cp = parse_checkpoint(is);
+    } catch (const Error& e) {
+      refused = e;
     }
-    if (!r.done()) throw Error("", "checkpoint has trailing bytes: corrupt");
+    // Decompositions are restored on all ranks or on none: ranks that disagree about which
+    // layers still need one would mismatch the broadcasts of the next step. A rank's own
+    // checkpoint fits only when it holds every decomposition the current work assignment gives
+    // the rank (it may have been saved under another grad_worker_fraction).
+    if (!registration_checked_) check_registration();  // collective, like the rest of load()
+    bool mine = !refused && cp.world == comm_.size() && cp.rank == comm_.rank();
+    for (std::size_t l = 0; mine && l < cp.layers.size(); ++l) {
+      const auto& p = cp.layers[l];
+      if (!layers_[l].skipped && p.has_factors && !p.has_decomposition &&
+          layers_[l].layer->decomposed_factors() > 0 && assignment_.is_grad_worker(l, comm_.rank()))
+        mine = false;
+    }
+    const long verdict = comm_.allreduce_max(refused ? 2L : mine ? 0L : 1L);
+    if (refused) throw *refused;
+    if (verdict == 2) throw Error("", "another rank refused its checkpoint; nothing was loaded");
+    const bool same_layout = verdict == 0;
+    const auto& plan = cp.layers;
+    const long* counters = cp.counters;
+    const std::uint32_t count = std::uint32_t(plan.size());
     // Everything checked: apply.
     bool restored_decompositions = true;
     for (std::uint32_t i = 0; i < count; ++i) {
@@ -396,6 +365,8 @@ class Preconditioner {
         layer.allocate_factors();
         auto fs = layer.factors();
         for (std::size_t k = 0; k < fs.size(); ++k) from_host_bytes(fs[k].storage, p.factors[k]);
+      } else {
+        layer.release_factors();
       }
       e.decomposition_damping = p.damping;
       if (p.has_decomposition && same_layout) {
@@ -458,6 +429,96 @@ class Preconditioner {
     typename layer_base::grad_matrix w;
     typename layer_base::grad_vector b;
   };
+
+  /// A checked checkpoint, not yet applied. The value pointers point into `body` (moving the
+  /// plan moves the vector's buffer, so they stay valid).
+  struct CheckpointPlan {
+    struct Layer {
+      bool has_factors = false, has_decomposition = false;
+      double damping = 0;
+      std::vector<const char*> factors, dec[2];
+    };
+    std::vector<char> body;
+    long counters[5] = {};
+    int world = 0, rank = 0;
+    std::vector<Layer> layers;
+  };
+
+  /// Reads and checks a checkpoint against this preconditioner; throws kfac::Error, changes nothing.
+  CheckpointPlan parse_checkpoint(std::istream& is) const {
+    CheckpointPlan cp;
+    cp.body = impl::read_checkpoint(is);
+    impl::ByteReader r(cp.body.data(), cp.body.size());
+    long* counters = cp.counters;
+    for (int k = 0; k < 5; ++k) counters[k] = long(r.get<std::int64_t>("step counters"));
+    cp.world = r.get<std::int32_t>("world size");
+    cp.rank = r.get<std::int32_t>("rank");
+    r.get<std::uint32_t>("flags");
+    const std::uint32_t count = r.get<std::uint32_t>("layer count");
+    if (count != layers_.size())
+      throw Error("", "checkpoint has " + std::to_string(count) + " layers, this preconditioner has " +
+                          std::to_string(layers_.size()));
+    // Real counters stay far below 2^53; the bound keeps step() from overflowing `long`.
+    constexpr long max_step = 1L << 53;
+    for (int k = 0; k < 3; ++k)
+      if (counters[k] < 0 || counters[k] > max_step)
+        throw Error("", "checkpoint has step counter " + std::to_string(counters[k]) + ": corrupt");
+    for (int k = 3; k < 5; ++k)
+      if (counters[k] < -1 || counters[k] >= counters[0])
+        throw Error("", "checkpoint has last-update step " + std::to_string(counters[k]) +
+                            " at step " + std::to_string(counters[0]) + ": corrupt");
+    auto& plan = cp.layers;
+    plan.resize(count);
+    for (std::uint32_t i = 0; i < count; ++i) {
+      auto& layer = *layers_[i].layer;
+      const std::string name = r.get_string("layer name");
+      const std::string sig = r.get_string("layer signature");
+      if (name != layer.name())
+        throw Error(layer.name(), "checkpoint has layer '" + name + "' in this position");
+      if (sig != layer.signature())
+        throw Error(name, "checkpoint was written for " + sig + ", this layer is " + layer.signature());
+      auto& p = plan[i];
+      p.has_factors = r.get<std::uint8_t>("factor flag") != 0;
+      auto read_buffers = [&](int part, std::vector<const char*>& out) {
+        const auto shapes = layer.buffer_shapes(part);
+        const std::uint32_t n = r.get<std::uint32_t>("buffer count");
+        if (n == 0) return;
+        if (n != shapes.size())
+          throw Error(name, "checkpoint buffer count " + std::to_string(n) + " does not match " +
+                                std::to_string(shapes.size()));
+        for (const auto& [cnt, size] : shapes) {
+          const auto ss = r.get<std::uint8_t>("scalar size");
+          const auto c = r.get<std::uint64_t>("value count");
+          if (ss != size || c != cnt)
+            throw Error(name, "checkpoint buffer has " + std::to_string(c) + " values of " +
+                                  std::to_string(int(ss)) + " bytes, expected " + std::to_string(cnt) +
+                                  " of " + std::to_string(size));
+          const char* values = r.get_raw(std::size_t(c) * ss, "buffer values");
+          // save() never writes NaN/Inf (factors and decompositions are checked when made);
+          // loading one would poison every later decomposition.
+          if (!impl::all_finite(values, std::size_t(c), ss))
+            throw Error(name, "checkpoint has NaN/Inf values in its saved state: corrupt");
+          out.push_back(values);
+        }
+      };
+      read_buffers(0, p.factors);
+      if (p.has_factors != !p.factors.empty())
+        throw Error(name, "checkpoint factor flag disagrees with its buffers: corrupt");
+      p.has_decomposition = r.get<std::uint8_t>("decomposition flag") != 0;
+      p.damping = r.get<double>("decomposition damping");
+      if (!std::isfinite(p.damping) || p.damping < 0 || (p.has_decomposition && p.damping == 0))
+        throw Error(name, "checkpoint has decomposition damping " + std::to_string(p.damping) +
+                              ": corrupt");
+      read_buffers(1, p.dec[0]);
+      read_buffers(2, p.dec[1]);
+      if (p.has_decomposition && !p.has_factors)
+        throw Error(name, "checkpoint has a decomposition without factors: corrupt");
+      if (p.has_decomposition && layer.decomposed_factors() > 0 && (p.dec[0].empty() || p.dec[1].empty()))
+        throw Error(name, "checkpoint decomposition flag disagrees with its buffers: corrupt");
+    }
+    if (!r.done()) throw Error("", "checkpoint has trailing bytes: corrupt");
+    return cp;
+  }
 
   /// Averages every running factor over ranks, in buckets of at most bucket_bytes, symmetric
   /// factors as packed upper triangles. The sum is bit-identical on all ranks.
@@ -554,18 +615,43 @@ class Preconditioner {
   /// Decompositions: each factor on its assigned rank, broadcast within the layer's worker group.
   void decompose(bool inv_step, double damping) {
     const int me = comm_.rank();
+    std::vector<char> due(layers_.size());
+    for (std::size_t l = 0; l < layers_.size(); ++l)
+      due[l] = !layers_[l].skipped && (inv_step || !layers_[l].layer->has_decomposition());
+    // This rank's decompositions first. A failure is raised only once every rank knows of it:
+    // the other ranks would otherwise wait forever in the broadcasts below.
+    std::optional<Error> failed;
+    long failed_layer = 0;  // 1-based, so that 0 means none
+    for (std::size_t l = 0; l < layers_.size() && !failed; ++l) {
+      auto& e = layers_[l];
+      if (!due[l] || e.layer->decomposed_factors() == 0 || !assignment_.is_grad_worker(l, me)) continue;
+      e.layer->allocate_decomposition();
+      for (int which = 0; which < 2 && !failed; ++which) {
+        if (assignment_.decomposer(l, which) != me) continue;
+        try {
+          decompose_with_retries(e, which, damping);
+        } catch (const Error& err) {
+          failed = err;
+          failed_layer = long(l) + 1;
+        }
+      }
+    }
+    if (comm_.size() > 1) {
+      const long any = comm_.allreduce_max(failed_layer);
+      if (any > 0 && !failed)
+        throw Error(layers_[std::size_t(any - 1)].layer->name(),
+                    "decomposition failed on another rank (see that rank's error)");
+    }
+    if (failed) throw *failed;
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       auto& e = layers_[l];
-      if (e.skipped || !(inv_step || !e.layer->has_decomposition())) continue;
+      if (!due[l]) continue;
       e.decomposition_damping = damping;
       if (e.layer->decomposed_factors() == 0) {
         e.layer->finish_decomposition(exec_, damping, options_.precompute_reciprocal);
         continue;
       }
       if (!assignment_.is_grad_worker(l, me)) continue;
-      e.layer->allocate_decomposition();
-      for (int which = 0; which < 2; ++which)
-        if (assignment_.decomposer(l, which) == me) decompose_with_retries(e, which, damping);
       exec_.fence();
       for (int which = 0; which < 2; ++which) {
         const int root = assignment_.decomposer(l, which) % assignment_.grad_workers();

@@ -79,6 +79,8 @@ class LayerBase {
   virtual std::vector<FactorBuffer> factors() = 0;
   /// Allocates the factors (for restoring a checkpoint) and marks them present.
   virtual void allocate_factors() = 0;
+  /// Frees the factors and marks them absent (restoring a checkpoint saved before any update).
+  virtual void release_factors() = 0;
   /// Shapes of the state buffers without allocating them: part 0 = factors, 1 = decomposition
   /// of A, 2 = decomposition of G; each entry (value count, scalar size).
   virtual std::vector<std::pair<std::size_t, std::size_t>> buffer_shapes(int part) const = 0;

@@ -1,0 +1,525 @@
+#pragma once
+/// \file cost_model.hpp
+/// \brief Predicts what distributed K-FAC costs per rank — decomposition and preconditioning
+/// time, bytes communicated, memory — for given layer shapes, world size and gradient-worker
+/// fraction, before anything is allocated.
+///
+/// The model replays the Preconditioner's own schedule rather than a formula for an idealised
+/// one: it builds the same kfac::WorkAssignment (KAISA, Pauloski et al. 2022: greedy
+/// longest-processing-time placement of layers on worker groups and of factors on ranks), walks
+/// the layers in registration order the way Preconditioner::step() does, and counts bytes the
+/// way kfac::MpiComm::bytes_sent() counts them. Consequences of that schedule are therefore in
+/// the prediction too: each layer's decomposition broadcast (and, with f < 1, each layer's
+/// preconditioned-gradient broadcast) is a blocking collective issued in layer order, so ranks
+/// that share a group wait for one another layer by layer.
+///
+/// What is exact and what is modelled:
+/// - exact: the assignment, bytes per rank per phase (as MpiComm counts them: a reduce+broadcast
+///   sum counts twice its payload on every rank, a broadcast counts its payload once, on its
+///   root), the number of factor-averaging collectives, and per-layer memory as
+///   Preconditioner::memory_report() gives it after a step() (no observations pending);
+/// - modelled: times. A decomposition costs a measured seconds-per-\f$n^3\f$ constant,
+///   preconditioning its GEMM flops over a measured flop rate, a collective over p ranks
+///   \f$\lceil\log_2 p\rceil \alpha + \min(\lceil\log_2 p\rceil, 2)\, b / \beta\f$ (binomial tree for
+///   short messages, scatter+allgather for long ones, van de Geijn) with latency \f$\alpha\f$ and
+///   bandwidth \f$\beta\f$; a collective starts when its last member arrives. Not modelled: factor
+///   computation (it depends on the batch), element-wise kernels, KL clipping, transient
+///   LAPACK/MPI work arrays.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kfac/assignment.hpp"
+#include "kfac/batch_norm_layer.hpp"
+#include "kfac/comm/comm_precision.hpp"
+#include "kfac/error.hpp"
+#include "kfac/factors/factor_policies.hpp"
+#include "kfac/impl/layer_base.hpp"
+#include "kfac/inverse/cholesky.hpp"
+#include "kfac/inverse/eigendecomposition.hpp"
+#include "kfac/inverse/newton_schulz.hpp"
+#include "kfac/layers/batch_norm.hpp"
+#include "kfac/layers/conv2d.hpp"
+#include "kfac/layers/dense.hpp"
+#include "kfac/options.hpp"
+#include "kfac/precision.hpp"
+#include "kfac/preconditioner.hpp"
+
+namespace kfac {
+
+/// \brief How a layer's damped inverse is obtained; the runtime image of an inversion policy.
+enum class DecompositionKind {
+  eigen,          ///< kfac::Eigendecomposition: syevd, buffers Q (n x n) and lambda (n)
+  cholesky,       ///< kfac::Cholesky: potrf + potri, buffer the inverse (n x n)
+  newton_schulz,  ///< kfac::NewtonSchulz: GEMM iterations, buffer the inverse (n x n)
+  closed_form,    ///< Diagonal factors and BatchNorm: nothing decomposed or communicated
+};
+
+namespace impl {
+template <class InversePolicy>
+struct decomposition_kind_of {
+  static constexpr bool known = false;
+};
+template <class B>
+struct decomposition_kind_of<Eigendecomposition<B>> {
+  static constexpr bool known = true;
+  static constexpr DecompositionKind value = DecompositionKind::eigen;
+};
+template <class B>
+struct decomposition_kind_of<Cholesky<B>> {
+  static constexpr bool known = true;
+  static constexpr DecompositionKind value = DecompositionKind::cholesky;
+};
+template <>
+struct decomposition_kind_of<NewtonSchulz> {
+  static constexpr bool known = true;
+  static constexpr DecompositionKind value = DecompositionKind::newton_schulz;
+};
+}  // namespace impl
+
+/// \brief One layer as the cost model sees it: shape, factor storage, inversion, scalar sizes.
+///
+/// Build it with LayerShape::of, which takes the same template arguments, with the same
+/// defaults, as Preconditioner::register_layer:
+/// \code
+/// std::vector<kfac::LayerShape> net{
+///     kfac::LayerShape::of("fc1", kfac::Dense(784, 1024)),
+///     kfac::LayerShape::of<kfac::Conv2d, kfac::Full>("conv", kfac::Conv2d(3, 64, 3, 3)),
+///     kfac::LayerShape::of("bn", kfac::BatchNorm2d(64))};
+/// \endcode
+struct LayerShape {
+  std::string name;
+  std::string kind;              ///< "dense", "conv2d" or "batch_norm" (matched by skip_layers)
+  index_t a_dim = 0;             ///< A is a_dim x a_dim (Kronecker layers)
+  index_t g_dim = 0;             ///< G is g_dim x g_dim; the gradient is g_dim x a_dim
+  index_t channels = 0;          ///< BatchNorm2d channels (0 for Kronecker layers)
+  bool kronecker = true;
+  bool diagonal = false;         ///< kfac::Diagonal factors
+  bool packed = true;            ///< factors travel as packed upper triangles (kfac::Symmetric)
+  DecompositionKind decomposition = DecompositionKind::eigen;
+  std::size_t factor_scalar = 8;         ///< sizeof(Precision::factor_type)
+  std::size_t decomposition_scalar = 8;  ///< sizeof(Precision::decomposition_type)
+
+  /// \tparam LayerType Dense, Conv2d or BatchNorm2d.
+  /// \tparam FactorPolicy, InversePolicy, Prec as in Preconditioner::register_layer.
+  template <class LayerType, class FactorPolicy = typename impl::default_factor<LayerType>::type,
+            class InversePolicy = Eigendecomposition<>, class Prec = Precision<double>>
+  static LayerShape of(std::string name, const LayerType& layer) {
+    static_assert(impl::is_precision<Prec>::value, "kfac::LayerShape: Prec must be a kfac::Precision<...>");
+    static_assert(impl::decomposition_kind_of<InversePolicy>::known,
+                  "kfac::LayerShape: InversePolicy must be Eigendecomposition<>, Cholesky<> or NewtonSchulz");
+    LayerShape s;
+    s.name = std::move(name);
+    s.kind = LayerType::kind;
+    s.factor_scalar = sizeof(typename Prec::factor_type);
+    s.decomposition_scalar = sizeof(typename Prec::decomposition_type);
+    if constexpr (LayerType::is_kronecker) {
+      s.a_dim = layer.a_dim();
+      s.g_dim = layer.g_dim();
+      s.diagonal = FactorPolicy::is_diagonal;
+      s.packed = FactorPolicy::packed;
+      s.decomposition = FactorPolicy::is_diagonal ? DecompositionKind::closed_form
+                                                  : impl::decomposition_kind_of<InversePolicy>::value;
+    } else {
+      s.kronecker = false;
+      s.channels = layer.channels();
+      s.diagonal = std::is_same<FactorPolicy, Diagonal>::value;
+      s.packed = false;
+      s.decomposition = DecompositionKind::closed_form;
+    }
+    return s;
+  }
+
+  /// Number of factors that need a decomposition (as LayerBase::decomposed_factors()).
+  int decomposed_factors() const { return decomposition == DecompositionKind::closed_form ? 0 : 2; }
+  /// Factor dimension n of factor `which` (0 = A, 1 = G).
+  index_t factor_dim(int which) const { return which == 0 ? a_dim : g_dim; }
+  /// Values in one decomposition of factor `which`, per communicated buffer.
+  std::vector<std::size_t> decomposition_buffer_counts(int which) const {
+    const std::size_t n = std::size_t(factor_dim(which));
+    if (decomposition == DecompositionKind::eigen) return {n * n, n};
+    if (decomposition == DecompositionKind::closed_form) return {};
+    return {n * n};
+  }
+  /// Values each factor-averaging collective carries for this layer, per factor.
+  std::vector<std::size_t> factor_payload_counts() const {
+    if (!kronecker) return {3 * std::size_t(channels)};
+    if (diagonal) return {std::size_t(a_dim), std::size_t(g_dim)};
+    auto count = [&](std::size_t n) { return packed ? n * (n + 1) / 2 : n * n; };
+    return {count(std::size_t(a_dim)), count(std::size_t(g_dim))};
+  }
+};
+
+/// \brief Machine figures the time predictions use, per rank.
+///
+/// | type | name | description | default (measured here) |
+/// |---|---|---|---|
+/// | double | eigen_seconds_per_n3 | LAPACK dsyevd time / \f$n^3\f$ | 2.1e-10 |
+/// | double | cholesky_seconds_per_n3 | LAPACK dpotrf + dpotri time / \f$n^3\f$ | 4.5e-11 |
+/// | double | gemm_flops | double GEMM rate, flop/s | 4.6e10 |
+/// | double | bandwidth | bytes/s of one point-to-point link | 6.3e9 |
+/// | double | latency | seconds per message hop | 6e-7 |
+/// | double | float_speedup | how much faster float arithmetic runs than double | 2.0 |
+/// | int | newton_schulz_iterations | iterations assumed for kfac::NewtonSchulz (4 n^3 flops each) | 30 |
+///
+/// The defaults were measured on the 2-core AMD EPYC (Zen 3, KVM) development machine with one
+/// OpenBLAS thread per rank (OPENBLAS_NUM_THREADS=1), n = 1024, and OpenMPI 4.1.4 over shared
+/// memory between two ranks (`bench_distributed --calibrate`, see docs/distributed.md). They are
+/// figures of that machine, not of a cluster: pass your own for planning elsewhere.
+struct MachineFigures {
+  double eigen_seconds_per_n3 = 2.1e-10;
+  double cholesky_seconds_per_n3 = 4.5e-11;
+  double gemm_flops = 4.6e10;
+  double bandwidth = 6.3e9;
+  double latency = 6e-7;
+  double float_speedup = 2.0;
+  int newton_schulz_iterations = 30;
+
+  MachineFigures& with_eigen_seconds_per_n3(double v) { eigen_seconds_per_n3 = v; return *this; }
+  MachineFigures& with_cholesky_seconds_per_n3(double v) { cholesky_seconds_per_n3 = v; return *this; }
+  MachineFigures& with_gemm_flops(double v) { gemm_flops = v; return *this; }
+  MachineFigures& with_bandwidth(double v) { bandwidth = v; return *this; }
+  MachineFigures& with_latency(double v) { latency = v; return *this; }
+  MachineFigures& with_float_speedup(double v) { float_speedup = v; return *this; }
+  MachineFigures& with_newton_schulz_iterations(int v) { newton_schulz_iterations = v; return *this; }
+
+  /// Seconds to decompose one n x n factor of `layer`'s kind.
+  double decomposition_seconds(const LayerShape& layer, index_t n) const {
+    const double n3 = double(n) * n * n;
+    const double scale = layer.decomposition_scalar == 4 ? 1.0 / float_speedup : 1.0;
+    switch (layer.decomposition) {
+      case DecompositionKind::eigen: return scale * eigen_seconds_per_n3 * n3;
+      case DecompositionKind::cholesky: return scale * cholesky_seconds_per_n3 * n3;
+      case DecompositionKind::newton_schulz: return scale * newton_schulz_iterations * 4.0 * n3 / gemm_flops;
+      default: return 0.0;
+    }
+  }
+  /// Seconds to precondition `layer`'s gradient: 4 GEMMs (eigen) or 2 (explicit inverses).
+  double preconditioning_seconds(const LayerShape& layer) const {
+    if (layer.decomposed_factors() == 0) return 0.0;  // element-wise, not modelled
+    const double g = layer.g_dim, a = layer.a_dim;
+    const double gemms = layer.decomposition == DecompositionKind::eigen ? 2.0 : 1.0;
+    const double scale = layer.decomposition_scalar == 4 ? 1.0 / float_speedup : 1.0;
+    return scale * gemms * 2.0 * g * a * (g + a) / gemm_flops;
+  }
+  /// Seconds of one broadcast (or one reduce) of `bytes` among `ranks` ranks.
+  double collective_seconds(std::size_t bytes, int ranks) const {
+    if (ranks <= 1) return 0.0;
+    const double hops = std::ceil(std::log2(double(ranks)));
+    return hops * latency + std::min(hops, 2.0) * double(bytes) / bandwidth;
+  }
+};
+
+/// \brief What one rank does and holds.
+struct RankCost {
+  int rank = 0;
+  /// Sum of the \f$n^3\f$ of the factors this rank decomposes (WorkAssignment::rank_load with
+  /// AssignmentCost::compute).
+  double decomposition_n3 = 0;
+  /// Compute time of this rank's own decompositions, per decomposition step.
+  double decomposition_seconds = 0;
+  /// Compute time of the GEMMs this rank runs to precondition its layers, per step.
+  double preconditioning_seconds = 0;
+  /// Bytes as MpiComm::bytes_sent() counts them: per factor update, per decomposition step,
+  /// and per step for preconditioned gradients (only when f < 1).
+  std::size_t factor_bytes_sent = 0;
+  std::size_t decomposition_bytes_sent = 0;
+  std::size_t gradient_bytes_sent = 0;
+  /// Per layer, what Preconditioner::memory_report() returns on this rank after a step().
+  std::vector<MemoryReport> memory;
+  /// The Preconditioner's staging buffer for factor averaging (not in memory_report()).
+  std::size_t staging_bytes = 0;
+
+  std::size_t memory_bytes() const {
+    std::size_t t = 0;
+    for (const auto& m : memory) t += m.total();
+    return t;
+  }
+  std::size_t factor_memory() const { return sum_of(&MemoryReport::factor_bytes); }
+  std::size_t decomposition_memory() const { return sum_of(&MemoryReport::decomposition_bytes); }
+  std::size_t workspace_memory() const { return sum_of(&MemoryReport::workspace_bytes); }
+  /// Mean bytes per step with a factor update every `factor_interval` steps and a
+  /// decomposition every `inv_interval` steps.
+  double bytes_per_step(double factor_interval, double inv_interval) const {
+    return double(factor_bytes_sent) / factor_interval +
+           double(decomposition_bytes_sent) / inv_interval + double(gradient_bytes_sent);
+  }
+
+ private:
+  std::size_t sum_of(std::size_t MemoryReport::*field) const {
+    std::size_t t = 0;
+    for (const auto& m : memory) t += m.*field;
+    return t;
+  }
+};
+
+/// \brief The model's answer for one world size and set of options.
+struct CostPrediction {
+  int world = 1;
+  WorkAssignment assignment;
+  std::vector<RankCost> ranks;
+  /// Sum collectives (buckets) per factor update, and their modelled time.
+  std::size_t factor_collectives = 0;
+  double factor_comm_seconds = 0;
+  /// Wall time of the decomposition phase of one step: every rank's decompositions and the
+  /// worker-group broadcasts, in layer order, until the last rank is done.
+  double decomposition_phase_seconds = 0;
+  /// Wall time of the preconditioning phase of one step: GEMMs plus, with f < 1, the
+  /// preconditioned-gradient broadcasts to receiver groups, in layer order.
+  double preconditioning_phase_seconds = 0;
+  /// Factor and decomposition intervals at step 0 of the options the prediction was made for.
+  long factor_interval = 1, inv_interval = 1;
+
+  /// Mean modelled seconds per step (factor computation excluded).
+  double step_seconds() const {
+    return factor_comm_seconds / double(factor_interval) +
+           decomposition_phase_seconds / double(inv_interval) + preconditioning_phase_seconds;
+  }
+  std::size_t max_memory_bytes() const {
+    return std::size_t(max_of([](const RankCost& r) { return double(r.memory_bytes()); }));
+  }
+  double max_bytes_per_step() const {
+    return max_of([&](const RankCost& r) { return r.bytes_per_step(double(factor_interval), double(inv_interval)); });
+  }
+  double max_decomposition_seconds() const {
+    return max_of([](const RankCost& r) { return r.decomposition_seconds; });
+  }
+
+ private:
+  template <class F>
+  double max_of(F f) const {
+    double m = 0;
+    for (const auto& r : ranks) m = std::max(m, f(r));
+    return m;
+  }
+};
+
+/// \brief Predicts per-rank costs of distributed K-FAC for a fixed list of layers.
+///
+/// The layer list must be in registration order (placement ties and the layer-by-layer
+/// schedule depend on it). Options supply the distribution settings exactly as the
+/// Preconditioner reads them: grad_worker_fraction, assignment_cost, colocate_factors,
+/// bucket_bytes, comm_precision, precompute_reciprocal, skip_layers, and the intervals at step 0.
+class CostModel {
+ public:
+  explicit CostModel(std::vector<LayerShape> layers, MachineFigures machine = MachineFigures{})
+      : layers_(std::move(layers)), machine_(machine) {
+    for (const auto& l : layers_) {
+      if (l.kronecker && (l.a_dim < 1 || l.g_dim < 1))
+        throw Error(l.name, "cost model: expected a_dim >= 1 and g_dim >= 1");
+      if (!l.kronecker && l.channels < 1) throw Error(l.name, "cost model: expected channels >= 1");
+      if ((l.factor_scalar != 4 && l.factor_scalar != 8) ||
+          (l.decomposition_scalar != 4 && l.decomposition_scalar != 8))
+        throw Error(l.name, "cost model: scalar sizes must be 4 (float) or 8 (double)");
+    }
+  }
+
+  const std::vector<LayerShape>& layers() const { return layers_; }
+  const MachineFigures& machine() const { return machine_; }
+
+  /// \param world [in] number of ranks.
+  /// \param options [in] the Preconditioner's options (grad_worker_fraction is f).
+  CostPrediction predict(int world, const Options& options = Options{}) const {
+    if (world < 1) throw Error("", "cost model: expected world >= 1");
+    const StepValues v = StepValues::at(options, 0);
+    CostPrediction p;
+    p.world = world;
+    p.factor_interval = v.factor_update_steps;
+    p.inv_interval = v.inv_update_steps;
+    const std::size_t n = layers_.size();
+    std::vector<bool> skip(n);
+    std::vector<std::pair<double, double>> costs;
+    for (std::size_t l = 0; l < n; ++l) {
+      skip[l] = skipped(layers_[l], options);
+      costs.push_back(skip[l] ? std::pair<double, double>{0.0, 0.0} : assignment_cost(layers_[l], options));
+    }
+    p.assignment = WorkAssignment(world, options.grad_worker_fraction, costs, options.colocate_factors);
+    const WorkAssignment& a = p.assignment;
+    const int gw = a.grad_workers();
+
+    p.ranks.resize(std::size_t(world));
+    for (int r = 0; r < world; ++r) {
+      auto& rc = p.ranks[std::size_t(r)];
+      rc.rank = r;
+      for (std::size_t l = 0; l < n; ++l) rc.memory.push_back(memory(layers_[l], skip[l], options,
+                                                                     !skip[l] && a.is_grad_worker(l, r)));
+    }
+    factor_averaging(p, skip, options);
+
+    // Decomposition phase, replaying Preconditioner::decompose.
+    std::vector<double> clock(std::size_t(world), 0.0);
+    for (std::size_t l = 0; l < n; ++l) {
+      const LayerShape& s = layers_[l];
+      if (skip[l] || s.decomposed_factors() == 0) continue;
+      const int lo = a.worker_group(l) * gw;
+      for (int which = 0; which < 2; ++which) {
+        auto& rc = p.ranks[std::size_t(a.decomposer(l, which))];
+        const double t = machine_.decomposition_seconds(s, s.factor_dim(which));
+        const double d = double(s.factor_dim(which));
+        rc.decomposition_n3 += d * d * d;
+        rc.decomposition_seconds += t;
+        clock[std::size_t(a.decomposer(l, which))] += t;
+      }
+      if (gw == 1) continue;  // a one-rank group broadcasts nothing
+      std::vector<int> group;
+      for (int r = lo; r < lo + gw; ++r) group.push_back(r);
+      for (int which = 0; which < 2; ++which)
+        for (std::size_t count : s.decomposition_buffer_counts(which)) {
+          const std::size_t bytes = count * s.decomposition_scalar;
+          p.ranks[std::size_t(a.decomposer(l, which))].decomposition_bytes_sent += bytes;
+          collective(clock, group, machine_.collective_seconds(bytes, gw));
+        }
+    }
+    p.decomposition_phase_seconds = *std::max_element(clock.begin(), clock.end());
+
+    // Preconditioning phase, replaying Preconditioner::precondition.
+    std::fill(clock.begin(), clock.end(), 0.0);
+    for (std::size_t l = 0; l < n; ++l) {
+      const LayerShape& s = layers_[l];
+      if (skip[l] || s.decomposed_factors() == 0) continue;  // local layers: element-wise only
+      const double t = machine_.preconditioning_seconds(s);
+      const int lo = a.worker_group(l) * gw;
+      for (int r = lo; r < lo + gw; ++r) {
+        p.ranks[std::size_t(r)].preconditioning_seconds += t;
+        clock[std::size_t(r)] += t;
+      }
+      if (gw == world) continue;
+      const std::size_t bytes = std::size_t(s.g_dim) * std::size_t(s.a_dim) * s.decomposition_scalar;
+      for (int j = 0; j < gw; ++j) {  // receiver group j: ranks j, j + gw, ...; root k gw + j
+        std::vector<int> group;
+        for (int r = j; r < world; r += gw) group.push_back(r);
+        p.ranks[std::size_t(lo + j)].gradient_bytes_sent += bytes;
+        collective(clock, group, machine_.collective_seconds(bytes, world / gw));
+      }
+    }
+    p.preconditioning_phase_seconds = *std::max_element(clock.begin(), clock.end());
+    return p;
+  }
+
+  /// Shorthand: default options with gradient-worker fraction `fraction`.
+  CostPrediction predict(int world, double fraction) const {
+    return predict(world, Options{}.with_grad_worker_fraction(fraction));
+  }
+
+ private:
+  static bool skipped(const LayerShape& s, const Options& o) {
+    for (const auto& k : o.skip_layers)
+      if (k == s.name || k == s.kind) return true;
+    return false;
+  }
+  /// The costs Preconditioner::check_registration hands to WorkAssignment.
+  static std::pair<double, double> assignment_cost(const LayerShape& s, const Options& o) {
+    if (s.decomposed_factors() == 0) return {0.0, 0.0};
+    const double a = s.a_dim, g = s.g_dim;
+    if (o.assignment_cost == AssignmentCost::memory) return {a * a, g * g};
+    return {a * a * a, g * g * g};
+  }
+
+  /// Mirrors KroneckerLayer::memory() and BatchNormLayer::memory() after a step().
+  static MemoryReport memory(const LayerShape& s, bool skip, const Options& o, bool worker) {
+    MemoryReport r{s.name, s.kind, 0, 0, 0};
+    const std::size_t a = std::size_t(s.a_dim), g = std::size_t(s.g_dim);
+    const std::size_t sf = s.factor_scalar, sd = s.decomposition_scalar;
+    if (!s.kronecker) {
+      const std::size_t c = std::size_t(s.channels);
+      r.workspace_bytes = 3 * c * sizeof(double);  // per-channel sums, allocated at registration
+      if (skip) return r;
+      r.factor_bytes = 3 * c * sf;
+      r.workspace_bytes += 4 * c * sd;  // (dgamma, dbeta) in and out
+      return r;
+    }
+    if (skip) return r;  // a skipped Kronecker layer never allocates
+    r.factor_bytes = (s.diagonal ? a + g : a * a + g * g) * sf;
+    r.workspace_bytes = (s.diagonal ? 2 : 3) * g * a * sd;  // x, out (+ work)
+    if (s.decomposed_factors() > 0 && worker) {
+      for (int which = 0; which < 2; ++which)
+        for (std::size_t c : s.decomposition_buffer_counts(which)) r.decomposition_bytes += c * sd;
+      if (s.decomposition == DecompositionKind::eigen && o.precompute_reciprocal)
+        r.decomposition_bytes += g * a * sd;
+    }
+    return r;
+  }
+
+  /// Replays Preconditioner::average_factors: buckets per storage type, float first.
+  void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Options& o) const {
+    if (p.world == 1) return;
+    std::size_t sent = 0, staging = 0;
+    for (std::size_t size : {std::size_t(4), std::size_t(8)}) {
+      const std::size_t limit = std::max<std::size_t>(1, o.bucket_bytes / size);
+      const std::size_t payload = o.comm_precision == CommPrecision::native    ? size
+                                  : o.comm_precision == CommPrecision::float32 ? 4
+                                                                               : 2;
+      std::size_t count = 0;
+      bool open = false;
+      auto flush = [&] {
+        sent += 2 * count * payload;
+        staging = std::max(staging, count * size);
+        p.factor_comm_seconds += 2 * machine_.collective_seconds(count * payload, p.world);
+        ++p.factor_collectives;
+        count = 0;
+        open = false;
+      };
+      for (std::size_t l = 0; l < layers_.size(); ++l) {
+        if (skip[l] || layers_[l].factor_scalar != size) continue;
+        for (std::size_t c : layers_[l].factor_payload_counts()) {
+          if (open && count + c > limit) flush();
+          count += c;
+          open = true;
+        }
+      }
+      if (open) flush();
+    }
+    for (auto& r : p.ranks) {
+      r.factor_bytes_sent = sent;
+      r.staging_bytes = staging;
+    }
+  }
+
+  /// A blocking collective among `group`: it starts when the last member arrives.
+  static void collective(std::vector<double>& clock, const std::vector<int>& group, double t) {
+    double start = 0;
+    for (int r : group) start = std::max(start, clock[std::size_t(r)]);
+    for (int r : group) clock[std::size_t(r)] = start + t;
+  }
+
+  std::vector<LayerShape> layers_;
+  MachineFigures machine_;
+};
+
+/// \brief Reference layer lists for planning.
+namespace shapes {
+
+/// \brief ResNet-50 (He et al. 2016; torchvision's v1.5 with the stride on the 3x3 conv —
+/// strides do not change factor shapes) for 224x224 ImageNet: 53 bias-free convolutions, each
+/// followed by a BatchNorm2d, and the 2048 -> 1000 classifier, in forward order. 25,557,032
+/// parameters. With `batch_norm = false` the 53 BatchNorm layers are left out.
+inline std::vector<LayerShape> resnet50(bool batch_norm = true) {
+  std::vector<LayerShape> v;
+  auto conv = [&](const std::string& name, index_t c, index_t o, index_t k) {
+    v.push_back(LayerShape::of(name, Conv2d(c, o, k, k).with_bias(false)));
+    if (batch_norm) v.push_back(LayerShape::of(name + ".bn", BatchNorm2d(o)));
+  };
+  conv("conv1", 3, 64, 7);
+  const index_t blocks[4] = {3, 4, 6, 3};
+  index_t in = 64;
+  for (int stage = 0; stage < 4; ++stage) {
+    const index_t width = index_t(64) << stage, out = 4 * width;
+    for (index_t b = 0; b < blocks[stage]; ++b) {
+      const std::string p = "layer" + std::to_string(stage + 1) + "." + std::to_string(b) + ".";
+      conv(p + "conv1", in, width, 1);
+      conv(p + "conv2", width, width, 3);
+      conv(p + "conv3", width, out, 1);
+      if (b == 0) conv(p + "downsample", in, out, 1);
+      in = out;
+    }
+  }
+  v.push_back(LayerShape::of("fc", Dense(2048, 1000)));
+  return v;
+}
+
+}  // namespace shapes
+}  // namespace kfac

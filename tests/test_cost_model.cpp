@@ -1,0 +1,329 @@
+// kfac::CostModel against closed forms, against WorkAssignment, and against memory_report() of a
+// real single-process Preconditioner. Bytes against MpiComm::bytes_sent() at 1-4 ranks are in
+// test_mpi_cost_model.cpp.
+#include <catch2/catch.hpp>
+#include <kfac/cost_model.hpp>
+#include <kfac/kfac.hpp>
+
+#include "cost_model_net.hpp"
+
+using namespace kfac_test;
+using Host = Kokkos::DefaultHostExecutionSpace;
+
+namespace {
+
+std::size_t tri(std::size_t n) { return n * (n + 1) / 2; }
+
+/// The layers of test_mpi_distributed: fc1 A 6 G 4, fc2 A 5 G 3, conv A 19 G 3, bn 3 channels.
+template <class Factor = kfac::Symmetric>
+std::vector<kfac::LayerShape> small_net() {
+  return {kfac::LayerShape::of<kfac::Dense, Factor>("fc1", kfac::Dense(5, 4)),
+          kfac::LayerShape::of<kfac::Dense, Factor>("fc2", kfac::Dense(4, 3)),
+          kfac::LayerShape::of<kfac::Conv2d, Factor>("conv", kfac::Conv2d(2, 3, 3, 3).with_padding(1, 1)),
+          kfac::LayerShape::of("bn", kfac::BatchNorm2d(3))};
+}
+
+std::vector<kfac::LayerShape> mlp() {
+  return {kfac::LayerShape::of("fc1", kfac::Dense(784, 1024)), kfac::LayerShape::of("fc2", kfac::Dense(1024, 1024)),
+          kfac::LayerShape::of("fc3", kfac::Dense(1024, 10))};
+}
+
+double cube(double n) { return n * n * n; }
+
+template <class F>
+std::size_t sum_ranks(const kfac::CostPrediction& p, F field) {
+  std::size_t t = 0;
+  for (const auto& r : p.ranks) t += field(r);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("LayerShape mirrors register_layer's policies", "[cost_model][shape]") {
+  const auto d = kfac::LayerShape::of("fc", kfac::Dense(5, 4));
+  CHECK(d.a_dim == 6);
+  CHECK(d.g_dim == 4);
+  CHECK(d.packed);
+  CHECK(d.decomposition == kfac::DecompositionKind::eigen);
+  CHECK(d.decomposed_factors() == 2);
+  const auto c = kfac::LayerShape::of<kfac::Conv2d, kfac::Full, kfac::Cholesky<>, kfac::MixedPrecision>(
+      "conv", kfac::Conv2d(2, 3, 3, 3).with_bias(false));
+  CHECK(c.a_dim == 18);
+  CHECK(c.g_dim == 3);
+  CHECK_FALSE(c.packed);
+  CHECK(c.decomposition == kfac::DecompositionKind::cholesky);
+  CHECK(c.factor_scalar == 4);
+  CHECK(c.decomposition_scalar == 8);
+  const auto g = kfac::LayerShape::of<kfac::Dense, kfac::Diagonal>("diag", kfac::Dense(5, 4));
+  CHECK(g.decomposition == kfac::DecompositionKind::closed_form);
+  CHECK(g.decomposed_factors() == 0);
+  const auto b = kfac::LayerShape::of("bn", kfac::BatchNorm2d(7));
+  CHECK_FALSE(b.kronecker);
+  CHECK(b.channels == 7);
+  CHECK(b.factor_payload_counts() == std::vector<std::size_t>{21});
+}
+
+TEST_CASE("bytes per factor update follow the packed/full formula", "[cost_model][bytes]") {
+  const std::size_t packed = 2 * 8 * (tri(6) + tri(4) + tri(5) + tri(3) + tri(19) + tri(3) + 9);
+  const std::size_t full = 2 * 8 * (36 + 16 + 25 + 9 + 361 + 9 + 9);
+  for (int world : {2, 3, 4}) {
+    for (double f : {1.0, 1.0 / world}) {
+      const auto p = kfac::CostModel(small_net()).predict(world, f);
+      const auto q = kfac::CostModel(small_net<kfac::Full>()).predict(world, f);
+      for (int r = 0; r < world; ++r) {
+        CHECK(p.ranks[std::size_t(r)].factor_bytes_sent == packed);
+        CHECK(q.ranks[std::size_t(r)].factor_bytes_sent == full);
+      }
+    }
+  }
+  SECTION("one rank communicates nothing") {
+    const auto p = kfac::CostModel(small_net()).predict(1, 1.0);
+    CHECK(p.ranks[0].factor_bytes_sent == 0);
+    CHECK(p.ranks[0].decomposition_bytes_sent == 0);
+    CHECK(p.ranks[0].gradient_bytes_sent == 0);
+    CHECK(p.factor_collectives == 0);
+    CHECK(p.ranks[0].staging_bytes == 0);
+  }
+  SECTION("reduced-precision payloads") {
+    const kfac::CostModel m(small_net());
+    CHECK(m.predict(2, kfac::Options{}.with_comm_precision(kfac::CommPrecision::float32)).ranks[0].factor_bytes_sent ==
+          packed / 2);
+    CHECK(m.predict(2, kfac::Options{}.with_comm_precision(kfac::CommPrecision::bfloat16)).ranks[0].factor_bytes_sent ==
+          packed / 4);
+    // float factors already travel as float
+    std::vector<kfac::LayerShape> f{kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
+                                                         kfac::SinglePrecision>("fc", kfac::Dense(5, 4))};
+    CHECK(kfac::CostModel(f).predict(2, kfac::Options{}.with_comm_precision(kfac::CommPrecision::float32))
+              .ranks[0].factor_bytes_sent == 2 * 4 * (tri(6) + tri(4)));
+  }
+  SECTION("buckets") {
+    // Payloads 21, 10, 15, 6, 190, 6, 9 values in buckets of 32: [21 10] [15 6] [190] [6 9].
+    const auto p = kfac::CostModel(small_net()).predict(2, kfac::Options{}.with_bucket_bytes(256));
+    CHECK(p.factor_collectives == 4);
+    CHECK(p.ranks[1].staging_bytes == 190 * 8);
+    CHECK(p.ranks[1].factor_bytes_sent == packed);
+    CHECK(kfac::CostModel(small_net()).predict(2, 1.0).factor_collectives == 1);
+  }
+}
+
+TEST_CASE("decomposition and gradient bytes follow the strategy", "[cost_model][bytes]") {
+  const kfac::CostModel m(small_net());
+  // Eigen buffers Q (n x n) and lambda (n) of every factor; the gradient g x a of every layer.
+  const std::size_t eigen = 8 * ((36 + 6 + 16 + 4) + (25 + 5 + 9 + 3) + (361 + 19 + 9 + 3));
+  const std::size_t grads = 8 * (4 * 6 + 3 * 5 + 3 * 19);
+  auto dec = [](const kfac::RankCost& r) { return r.decomposition_bytes_sent; };
+  auto grad = [](const kfac::RankCost& r) { return r.gradient_bytes_sent; };
+
+  SECTION("COMM-OPT: decompositions broadcast to all, no gradients") {
+    for (int world : {2, 4}) {
+      const auto p = m.predict(world, 1.0);
+      CHECK(sum_ranks(p, dec) == eigen);
+      CHECK(sum_ranks(p, grad) == 0);
+      for (const auto& r : p.ranks) {  // colocated: the decomposer of a layer sends both factors
+        std::size_t mine = 0;
+        for (std::size_t l = 0; l < 3; ++l)
+          if (p.assignment.decomposer(l, 0) == r.rank) {
+            const auto& s = m.layers()[l];
+            const std::size_t a = std::size_t(s.a_dim), g = std::size_t(s.g_dim);
+            mine += 8 * (a * a + a + g * g + g);
+          }
+        CHECK(r.decomposition_bytes_sent == mine);
+      }
+    }
+  }
+  SECTION("MEM-OPT: no decomposition traffic, each gradient sent once by its owner") {
+    for (int world : {2, 3, 4}) {
+      const auto p = m.predict(world, 1.0 / world);
+      CHECK(sum_ranks(p, dec) == 0);
+      CHECK(sum_ranks(p, grad) == grads);
+    }
+  }
+  SECTION("HYBRID f = 1/2 at 4 ranks: each factor once within its group, each gradient twice") {
+    const auto p = m.predict(4, 0.5);
+    CHECK(p.assignment.grad_workers() == 2);
+    CHECK(sum_ranks(p, dec) == eigen);
+    CHECK(sum_ranks(p, grad) == 2 * grads);
+  }
+  SECTION("explicit inverses send one n x n buffer per factor") {
+    std::vector<kfac::LayerShape> v{
+        kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>>("fc", kfac::Dense(5, 4))};
+    CHECK(sum_ranks(kfac::CostModel(v).predict(2, 1.0), dec) == 8 * (36 + 16));
+  }
+  SECTION("skipped and closed-form layers communicate no decompositions or gradients") {
+    auto opts = kfac::Options{}.with_grad_worker_fraction(0.5).with_skip_layers({"fc2", "conv2d"});
+    const auto p = m.predict(2, opts);
+    CHECK(sum_ranks(p, grad) == 8 * 4 * 6);
+    CHECK(p.ranks[0].factor_bytes_sent == 2 * 8 * (tri(6) + tri(4) + 9));
+  }
+}
+
+TEST_CASE("the assignment is the library's WorkAssignment", "[cost_model][assignment]") {
+  const auto net = mlp();
+  std::vector<std::pair<double, double>> costs;
+  for (const auto& s : net) costs.push_back({cube(s.a_dim), cube(s.g_dim)});
+  for (int world : {1, 2, 4, 8}) {
+    for (double f : {1.0, 1.0 / world}) {
+      for (bool colocate : {true, false}) {
+        const kfac::WorkAssignment w(world, f, costs, colocate);
+        const auto p = kfac::CostModel(net).predict(
+            world, kfac::Options{}.with_grad_worker_fraction(f).with_colocate_factors(colocate));
+        for (std::size_t l = 0; l < net.size(); ++l)
+          for (int which = 0; which < 2; ++which) CHECK(p.assignment.decomposer(l, which) == w.decomposer(l, which));
+        for (int r = 0; r < world; ++r)
+          CHECK(p.ranks[std::size_t(r)].decomposition_n3 == Approx(w.rank_load()[std::size_t(r)]).epsilon(1e-15));
+      }
+    }
+  }
+}
+
+TEST_CASE("times follow the layer-ordered schedule", "[cost_model][time]") {
+  const double c = 1e-9, flops = 1e9;
+  auto figures = kfac::MachineFigures{}.with_eigen_seconds_per_n3(c).with_gemm_flops(flops).with_latency(0).with_bandwidth(1e300);
+  const kfac::CostModel m(mlp(), figures);
+  const double fc1 = cube(785) + cube(1024), fc2 = cube(1025) + cube(1024), fc3 = cube(1025) + cube(10);
+  auto gemm = [&](double g, double a) { return 4 * g * a * (g + a) / flops; };
+  const double apply = gemm(1024, 785) + gemm(1024, 1025) + gemm(10, 1025);
+
+  const auto one = m.predict(1, 1.0);
+  CHECK(one.decomposition_phase_seconds == Approx(c * (fc1 + fc2 + fc3)));
+  CHECK(one.preconditioning_phase_seconds == Approx(apply));
+
+  SECTION("MEM-OPT, 2 ranks: greedy puts fc2 alone, so the phase is fc1 + fc3") {
+    const auto p = m.predict(2, 0.5);
+    CHECK(p.ranks[0].decomposition_seconds == Approx(c * fc2));
+    CHECK(p.ranks[1].decomposition_seconds == Approx(c * (fc1 + fc3)));
+    CHECK(p.decomposition_phase_seconds == Approx(c * (fc1 + fc3)));
+    // Every gradient is broadcast from its owner in layer order: the ranks take turns.
+    CHECK(p.preconditioning_phase_seconds == Approx(apply));
+    CHECK(p.ranks[0].preconditioning_seconds == Approx(gemm(1024, 1025)));
+  }
+  SECTION("COMM-OPT, 2 ranks: each layer's broadcast waits for its decomposer") {
+    const auto p = m.predict(2, 1.0);
+    CHECK(p.decomposition_phase_seconds == Approx(c * (fc1 + fc2 + fc3)));
+    CHECK(p.max_decomposition_seconds() < p.decomposition_phase_seconds);
+    CHECK(p.preconditioning_phase_seconds == Approx(apply));
+  }
+  SECTION("COMM-OPT, 2 ranks, A and G apart: the phase is the sum of per-layer maxima") {
+    const auto p = m.predict(2, kfac::Options{}.with_colocate_factors(false));
+    CHECK(p.decomposition_phase_seconds == Approx(c * (cube(1024) + cube(1025) + cube(1025))));
+  }
+  SECTION("latency and bandwidth: one collective per buffer") {
+    const double alpha = 1e-3, beta = 1e9;
+    const kfac::CostModel n(mlp(), kfac::MachineFigures(figures).with_latency(alpha).with_bandwidth(beta));
+    const auto p = n.predict(2, 1.0);
+    double bcast = 0;
+    for (double d : {785.0, 1024.0, 1025.0, 1024.0, 1025.0, 10.0}) bcast += 2 * alpha + 8 * (d * d + d) / beta;
+    CHECK(p.decomposition_phase_seconds == Approx(c * (fc1 + fc2 + fc3) + bcast));
+    // factor averaging: reduce + broadcast of every packed factor; 2,409,810 values do not fit
+    // one 16 MiB bucket (2,097,152 doubles), so two collectives
+    double values = 0;
+    for (double d : {785.0, 1024.0, 1025.0, 1024.0, 1025.0, 10.0}) values += d * (d + 1) / 2;
+    CHECK(p.factor_collectives == 2);
+    CHECK(p.factor_comm_seconds == Approx(2 * (2 * alpha) + 2 * 8 * values / beta));
+    // MEM-OPT: the gradient broadcasts (g x a doubles, 2 ranks) follow each layer's GEMMs
+    const auto q = n.predict(2, 0.5);
+    double grads = 0;
+    for (auto ga : {1024.0 * 785, 1024.0 * 1025, 10.0 * 1025}) grads += alpha + 8 * ga / beta;
+    CHECK(q.preconditioning_phase_seconds == Approx(apply + grads));
+  }
+  SECTION("collective time: log2 p latency hops, at most two bandwidth terms") {
+    const auto f = kfac::MachineFigures{}.with_latency(1.0).with_bandwidth(1.0);
+    CHECK(f.collective_seconds(10, 1) == 0.0);
+    CHECK(f.collective_seconds(10, 2) == Approx(1 + 10));
+    CHECK(f.collective_seconds(10, 3) == Approx(2 + 20));
+    CHECK(f.collective_seconds(10, 1024) == Approx(10 + 20));
+  }
+}
+
+TEST_CASE("memory equals memory_report() of a real Preconditioner", "[cost_model][memory]") {
+  const auto base = kfac::Options{}.with_inv_update_steps(1);
+  for (const auto& opts : {base, kfac::Options(base).with_precompute_reciprocal(true),
+                           kfac::Options(base).with_skip_layers({"fc2", "batch_norm"})}) {
+    const bool reciprocal = opts.precompute_reciprocal, skips = !opts.skip_layers.empty();
+    INFO("precompute_reciprocal " << reciprocal << ", skipped layers " << skips);
+    kfac::Preconditioner<double, Host> pre(opts);
+    register_cost_model_net(pre);
+    Rng rng(5);
+    for (int step = 0; step < 2; ++step) {
+      const CostModelBatch batch(rng);
+      batch.feed(pre);
+      pre.step();
+    }
+    const auto got = pre.memory_report();
+    const auto model = kfac::CostModel(cost_model_net_shapes()).predict(1, opts);
+    const auto& mem = model.ranks[0].memory;
+    REQUIRE(got.size() == mem.size());
+    for (std::size_t l = 0; l < got.size(); ++l) {
+      INFO("layer " << got[l].name);
+      CHECK(mem[l].name == got[l].name);
+      CHECK(mem[l].kind == got[l].kind);
+      CHECK(mem[l].factor_bytes == got[l].factor_bytes);
+      CHECK(mem[l].decomposition_bytes == got[l].decomposition_bytes);
+      CHECK(mem[l].workspace_bytes == got[l].workspace_bytes);
+    }
+    // Closed forms: eigen dense (A 6, G 4), float-factor conv (A 19, G 3), Diagonal (A 7, G 2),
+    // BatchNorm (3 channels), skipped layers.
+    CHECK(mem[0].factor_bytes == (36 + 16) * 8);
+    CHECK(mem[0].decomposition_bytes == (36 + 6 + 16 + 4 + (reciprocal ? 24 : 0)) * 8);
+    CHECK(mem[0].workspace_bytes == 3 * 24 * 8);
+    CHECK(mem[3].factor_bytes == (361 + 9) * 4);
+    CHECK(mem[4].factor_bytes == (7 + 2) * 8);
+    CHECK(mem[4].decomposition_bytes == 0);
+    CHECK(mem[4].workspace_bytes == 2 * 14 * 8);
+    CHECK(mem[5].workspace_bytes == (skips ? 9 * 8 : 9 * 8 + 12 * 8));
+    CHECK(mem[1].total() == (skips ? 0 : (16 + 9) * 8 * 2 + 3 * 12 * 8));
+  }
+}
+
+TEST_CASE("MEM-OPT holds one copy of each decomposition; workspace stays on every rank", "[cost_model][memory]") {
+  const kfac::CostModel m(small_net());
+  const auto one = m.predict(1, 1.0);
+  for (int world : {2, 3, 4}) {
+    const auto p = m.predict(world, 1.0 / world);
+    const auto comm = m.predict(world, 1.0);
+    std::size_t dec = 0;
+    for (const auto& r : p.ranks) {
+      dec += r.decomposition_memory();
+      CHECK(r.factor_memory() == one.ranks[0].factor_memory());
+      CHECK(r.workspace_memory() == one.ranks[0].workspace_memory());
+    }
+    CHECK(dec == one.ranks[0].decomposition_memory());
+    for (const auto& r : comm.ranks) CHECK(r.memory_bytes() == one.ranks[0].memory_bytes());
+  }
+}
+
+TEST_CASE("ResNet-50 shapes", "[cost_model][resnet50]") {
+  const auto net = kfac::shapes::resnet50();
+  std::size_t convs = 0, bns = 0, params = 0;
+  kfac::index_t largest = 0;
+  for (const auto& s : net) {
+    if (s.kronecker) {
+      params += std::size_t(s.a_dim) * std::size_t(s.g_dim);
+      largest = std::max({largest, s.a_dim, s.g_dim});
+      convs += s.kind == std::string("conv2d");
+    } else {
+      params += 2 * std::size_t(s.channels);
+      ++bns;
+    }
+  }
+  CHECK(convs == 53);
+  CHECK(bns == 53);
+  CHECK(net.size() == 107);
+  CHECK(params == 25557032);  // torchvision's resnet50 parameter count
+  CHECK(largest == 4608);     // layer4 3x3 convs: 512 * 3 * 3
+  CHECK(kfac::shapes::resnet50(false).size() == 54);
+  // 1024 ranks: 54 layers cannot keep them busy; the largest layer bounds MEM-OPT.
+  const auto p = kfac::CostModel(net).predict(1024, 1.0 / 1024);
+  CHECK(p.decomposition_phase_seconds ==
+        Approx(kfac::MachineFigures{}.eigen_seconds_per_n3 * (cube(4608) + cube(512))));
+}
+
+TEST_CASE("bad inputs raise kfac::Error", "[cost_model][errors]") {
+  const kfac::CostModel m(small_net());
+  CHECK_THROWS_AS(m.predict(0, 1.0), kfac::Error);
+  CHECK_THROWS_WITH(m.predict(4, 0.75), Catch::Contains("does not divide"));
+  CHECK_THROWS_WITH(m.predict(4, 0.1), Catch::Contains("grad_worker_fraction"));
+  kfac::LayerShape bad = kfac::LayerShape::of("fc", kfac::Dense(5, 4));
+  bad.a_dim = 0;
+  CHECK_THROWS_WITH(kfac::CostModel({bad}), Catch::Contains("fc"));
+}

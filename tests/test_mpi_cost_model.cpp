@@ -1,0 +1,83 @@
+// kfac::CostModel's exact predictions against a distributed run at this world size: bytes per
+// phase as MpiComm::bytes_sent() counts them, memory_report() and the assignment, on every rank,
+// for COMM-OPT, HYBRID and MEM-OPT.
+#include <mpi.h>
+
+#include <catch2/catch.hpp>
+#include <kfac/comm/mpi_comm.hpp>
+
+#include "cost_model_net.hpp"
+
+using namespace kfac_test;
+using Host = Kokkos::DefaultHostExecutionSpace;
+
+namespace {
+
+int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
+int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
+
+void check(const kfac::Options& opts) {
+  const int rank = world_rank(), size = world_size();
+  using Pre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
+  kfac::MpiComm comm(MPI_COMM_WORLD);
+  Pre pre(opts, Host(), comm);
+  register_cost_model_net(pre);
+  const auto p = kfac::CostModel(cost_model_net_shapes()).predict(size, opts);
+  const auto& me = p.ranks[std::size_t(rank)];
+
+  // inv_update_steps 2: step 0 and 2 decompose; every step updates factors.
+  Rng rng(17 + rank);
+  std::size_t bytes[3];
+  for (int s = 0; s < 3; ++s) {
+    const CostModelBatch batch(rng);
+    batch.feed(pre);
+    comm.reset_bytes();
+    pre.step();
+    bytes[s] = comm.bytes_sent();
+  }
+  INFO("rank " << rank << " of " << size << ", f = " << opts.grad_worker_fraction);
+  CHECK(bytes[1] == me.factor_bytes_sent + me.gradient_bytes_sent);
+  CHECK(bytes[2] - bytes[1] == me.decomposition_bytes_sent);
+  CHECK(bytes[0] == bytes[2]);
+  const auto report = pre.memory_report();
+  REQUIRE(report.size() == me.memory.size());
+  for (std::size_t l = 0; l < report.size(); ++l) {
+    INFO("layer " << report[l].name);
+    CHECK(report[l].factor_bytes == me.memory[l].factor_bytes);
+    CHECK(report[l].decomposition_bytes == me.memory[l].decomposition_bytes);
+    CHECK(report[l].workspace_bytes == me.memory[l].workspace_bytes);
+  }
+  for (std::size_t l = 0; l < report.size(); ++l) {
+    CHECK(pre.assignment().worker_group(l) == p.assignment.worker_group(l));
+    for (int which = 0; which < 2; ++which) CHECK(pre.assignment().decomposer(l, which) == p.assignment.decomposer(l, which));
+  }
+}
+
+kfac::Options options(double fraction) {
+  return kfac::Options{}
+      .with_loss_reduction(kfac::LossReduction::sum)
+      .with_damping(1e-2)
+      .with_inv_update_steps(2)
+      .with_grad_worker_fraction(fraction)
+      .with_bucket_bytes(256);
+}
+
+}  // namespace
+
+TEST_CASE("cost model bytes, memory and assignment equal a distributed run", "[mpi][cost_model]") {
+  const int size = world_size();
+  SECTION("COMM-OPT") { check(options(1.0)); }
+  SECTION("COMM-OPT, A and G apart, precomputed reciprocal") {
+    check(options(1.0).with_colocate_factors(false).with_precompute_reciprocal(true));
+  }
+  SECTION("MEM-OPT") { check(options(1.0 / size)); }
+  SECTION("MEM-OPT, memory-balanced placement, bfloat16 payloads") {
+    check(options(1.0 / size).with_assignment_cost(kfac::AssignmentCost::memory).with_comm_precision(kfac::CommPrecision::bfloat16));
+  }
+  SECTION("float32 payloads, skipped layers") {
+    check(options(1.0 / size).with_comm_precision(kfac::CommPrecision::float32).with_skip_layers({"fc2", "batch_norm"}));
+  }
+  if (size % 2 == 0 && size > 2) {
+    SECTION("HYBRID 0.5") { check(options(0.5)); }
+  }
+}
