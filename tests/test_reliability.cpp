@@ -259,3 +259,24 @@ TEST_CASE("checkpoints with impossible counters or NaN values are refused", "[ch
   expect_refused(patched(first_value, std::numeric_limits<double>::quiet_NaN()), "layer 'fc1': checkpoint has NaN/Inf");
   expect_refused(patched(after_factors + 1, -1.0), "layer 'fc1': checkpoint has decomposition damping -1");
 }
+
+TEST_CASE("a NaN gradient under the raise policy is an error naming the layer", "[nonfinite][errors]") {
+  Pre pre(options());
+  pre.register_layer<kfac::Dense>("fc", kfac::Dense(4, 3));
+  Rng rng(9);
+  auto x = random_view<double>(5, 4, rng), g = random_view<double>(5, 3, rng);
+  auto w = random_view<double>(3, 4, rng);
+  auto b = random_vector<double>(3, rng);
+  b(1) = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> w_before(w.data(), w.data() + w.span());
+  pre.observe_input("fc", x);
+  pre.observe_output_grad("fc", g);
+  pre.set_gradient("fc", w, b);
+  CHECK_THROWS_WITH(pre.step(), Catch::Contains("layer 'fc'") && Catch::Contains("gradient contains 1 NaN/Inf"));
+  CHECK(pre.step_count() == 0);
+  CHECK_FALSE(pre.layer("fc").has_factors());
+  CHECK(std::vector<double>(w.data(), w.data() + w.span()) == w_before);
+  b(1) = 0.5;  // fixed: the same pending observations now go through
+  pre.step();
+  CHECK(pre.step_count() == 1);
+}

@@ -201,6 +201,12 @@ class Preconditioner {
       if (!e.has_gradient)
         throw Error(n, "no gradient was set for step " + std::to_string(step_) +
                            " (call set_gradient before step)");
+      if (options_.nonfinite == NonFinitePolicy::raise) {
+        const long bad = impl::count_nonfinite(exec_, e.w) + impl::count_nonfinite(exec_, e.b);
+        if (bad > 0)
+          throw Error(n, "gradient contains " + std::to_string(bad) +
+                             " NaN/Inf value(s) at step " + std::to_string(step_));
+      }
       if (factor_step) {
         const std::string why = e.layer->observations_problem();
         if (!why.empty())
