@@ -9,9 +9,11 @@
 /// longest-processing-time placement of layers on worker groups and of factors on ranks), walks
 /// the layers in registration order the way Preconditioner::step() does, and counts bytes the
 /// way kfac::MpiComm::bytes_sent() counts them. Consequences of that schedule are therefore in
-/// the prediction too: each layer's decomposition broadcast (and, with f < 1, each layer's
-/// preconditioned-gradient broadcast) is a blocking collective issued in layer order, so ranks
-/// that share a group wait for one another layer by layer.
+/// the prediction too: all ranks decompose their factors at once, agree on failures in one
+/// allreduce and then broadcast the decompositions layer by layer, so the decomposition phase
+/// lasts as long as the most loaded rank plus the broadcasts; but with f < 1 each layer's
+/// preconditioned gradient is broadcast right after that layer's GEMMs, in layer order, so the
+/// ranks take turns and the preconditioning phase does not shrink with more ranks.
 ///
 /// What is exact and what is modelled:
 /// - exact: the assignment, bytes per rank per phase (as MpiComm counts them: a reduce+broadcast
@@ -158,24 +160,24 @@ struct LayerShape {
 ///
 /// | type | name | description | default (measured here) |
 /// |---|---|---|---|
-/// | double | eigen_seconds_per_n3 | LAPACK dsyevd time / \f$n^3\f$ | 2.1e-10 |
-/// | double | cholesky_seconds_per_n3 | LAPACK dpotrf + dpotri time / \f$n^3\f$ | 4.5e-11 |
-/// | double | gemm_flops | double GEMM rate, flop/s | 4.6e10 |
-/// | double | bandwidth | bytes/s of one point-to-point link | 6.3e9 |
-/// | double | latency | seconds per message hop | 6e-7 |
+/// | double | eigen_seconds_per_n3 | LAPACK dsyevd time / \f$n^3\f$ | 2.3e-10 |
+/// | double | cholesky_seconds_per_n3 | LAPACK dpotrf + dpotri time / \f$n^3\f$ | 3.4e-11 |
+/// | double | gemm_flops | double GEMM rate, flop/s | 4.2e10 |
+/// | double | bandwidth | bytes/s of one point-to-point link | 3.9e9 |
+/// | double | latency | seconds per message hop | 3.5e-7 |
 /// | double | float_speedup | how much faster float arithmetic runs than double | 2.0 |
 /// | int | newton_schulz_iterations | iterations assumed for kfac::NewtonSchulz (4 n^3 flops each) | 30 |
 ///
 /// The defaults were measured on the 2-core AMD EPYC (Zen 3, KVM) development machine with one
 /// OpenBLAS thread per rank (OPENBLAS_NUM_THREADS=1), n = 1024, and OpenMPI 4.1.4 over shared
-/// memory between two ranks (`bench_distributed --calibrate`, see docs/distributed.md). They are
+/// memory between two ranks (`mpiexec -n 2 bench_distributed --calibrate`, docs/distributed.md). They are
 /// figures of that machine, not of a cluster: pass your own for planning elsewhere.
 struct MachineFigures {
-  double eigen_seconds_per_n3 = 2.1e-10;
-  double cholesky_seconds_per_n3 = 4.5e-11;
-  double gemm_flops = 4.6e10;
-  double bandwidth = 6.3e9;
-  double latency = 6e-7;
+  double eigen_seconds_per_n3 = 2.3e-10;
+  double cholesky_seconds_per_n3 = 3.4e-11;
+  double gemm_flops = 4.2e10;
+  double bandwidth = 3.9e9;
+  double latency = 3.5e-7;
   double float_speedup = 2.0;
   int newton_schulz_iterations = 30;
 
@@ -212,6 +214,8 @@ struct MachineFigures {
     const double hops = std::ceil(std::log2(double(ranks)));
     return hops * latency + std::min(hops, 2.0) * double(bytes) / bandwidth;
   }
+  /// Seconds of one allreduce (a reduce and a broadcast) of `bytes` among `ranks` ranks.
+  double allreduce_seconds(std::size_t bytes, int ranks) const { return 2 * collective_seconds(bytes, ranks); }
 };
 
 /// \brief What one rank does and holds.
@@ -265,8 +269,8 @@ struct CostPrediction {
   /// Sum collectives (buckets) per factor update, and their modelled time.
   std::size_t factor_collectives = 0;
   double factor_comm_seconds = 0;
-  /// Wall time of the decomposition phase of one step: every rank's decompositions and the
-  /// worker-group broadcasts, in layer order, until the last rank is done.
+  /// Wall time of the decomposition phase of one step: every rank's own decompositions, the
+  /// failure vote (an allreduce over all ranks), then the worker-group broadcasts in layer order.
   double decomposition_phase_seconds = 0;
   /// Wall time of the preconditioning phase of one step: GEMMs plus, with f < 1, the
   /// preconditioned-gradient broadcasts to receiver groups, in layer order.
@@ -350,12 +354,13 @@ class CostModel {
     }
     factor_averaging(p, skip, options);
 
-    // Decomposition phase, replaying Preconditioner::decompose.
+    // Decomposition phase, replaying Preconditioner::decompose: every rank first runs its own
+    // decompositions, then all ranks agree on failures (one allreduce of a long), then the
+    // buffers are broadcast within worker groups in layer order.
     std::vector<double> clock(std::size_t(world), 0.0);
     for (std::size_t l = 0; l < n; ++l) {
       const LayerShape& s = layers_[l];
       if (skip[l] || s.decomposed_factors() == 0) continue;
-      const int lo = a.worker_group(l) * gw;
       for (int which = 0; which < 2; ++which) {
         auto& rc = p.ranks[std::size_t(a.decomposer(l, which))];
         const double t = machine_.decomposition_seconds(s, s.factor_dim(which));
@@ -364,7 +369,16 @@ class CostModel {
         rc.decomposition_seconds += t;
         clock[std::size_t(a.decomposer(l, which))] += t;
       }
-      if (gw == 1) continue;  // a one-rank group broadcasts nothing
+    }
+    if (world > 1) {
+      std::vector<int> all(static_cast<std::size_t>(world));
+      for (int r = 0; r < world; ++r) all[std::size_t(r)] = r;
+      collective(clock, all, machine_.allreduce_seconds(sizeof(long), world));
+    }
+    for (std::size_t l = 0; l < n; ++l) {
+      const LayerShape& s = layers_[l];
+      if (skip[l] || s.decomposed_factors() == 0 || gw == 1) continue;  // one-rank groups send nothing
+      const int lo = a.worker_group(l) * gw;
       std::vector<int> group;
       for (int r = lo; r < lo + gw; ++r) group.push_back(r);
       for (int which = 0; which < 2; ++which)
@@ -458,7 +472,7 @@ class CostModel {
       auto flush = [&] {
         sent += 2 * count * payload;
         staging = std::max(staging, count * size);
-        p.factor_comm_seconds += 2 * machine_.collective_seconds(count * payload, p.world);
+        p.factor_comm_seconds += machine_.allreduce_seconds(count * payload, p.world);
         ++p.factor_collectives;
         count = 0;
         open = false;
