@@ -55,7 +55,7 @@ struct Config {
   int threads = 2;
   int reps = 0;           // 0: chosen per phase from the warm-up time
   double budget_s = 6.0;  // time aimed at per phase and size when reps = 0
-  int min_reps = 3, max_reps = 21;
+  int min_reps = 5, max_reps = 21;
   bool factor = true, decomposition = true, preconditioning = true, step = true;
   bool breakdown = false;
   double decay = 0.95;
@@ -63,9 +63,9 @@ struct Config {
 };
 
 // ---------------------------------------------------------------- OpenBLAS thread control
-/// OpenBLAS's thread functions, looked up at run time. They live in libopenblas.so.0, which the
-/// link line reaches only through libblas.so.3 (Debian's BLAS alternatives), so a direct
-/// reference would not link; and with another BLAS there is nothing to set.
+/// OpenBLAS's thread functions, looked up at run time. They are not CBLAS: Debian's libblas.so.3
+/// wrapper does not export them, so whether a direct reference links depends on how CMake's
+/// FindBLAS resolved; and with another BLAS there is nothing to set.
 struct BlasThreads {
   void (*set)(int) = nullptr;
   int (*get)() = nullptr;
@@ -218,7 +218,6 @@ class Bare {
 
   const std::vector<double>& a() const { return a_; }
   const std::vector<double>& lambda_a() const { return la_; }
-  const std::vector<double>& lambda_g() const { return lg_; }
 
  private:
   std::size_t nn() const { return std::size_t(n_) * n_; }
@@ -491,7 +490,7 @@ void usage(const char* argv0) {
       "  --batch      rows of each observation (default 256)\n"
       "  --threads    OpenBLAS threads (default 2)\n"
       "  --reps       timed repetitions per phase after one warm-up (default: enough for\n"
-      "               about 6 s per phase, between 3 and 21)\n"
+      "               about 6 s per phase, between 5 and 21)\n"
       "  --phases     rows to measure (default: all four); \"step\" is the end-to-end\n"
       "               Preconditioner::step, reported but not part of the target\n"
       "  --breakdown  also print the library time of each call within a phase\n",
@@ -566,7 +565,13 @@ int main(int argc, char** argv) {
     usage(argv[0]);
     return 2;
   }
-  Kokkos::ScopeGuard kokkos(argc, argv);
+  // Kokkos 3.4 claims bare names such as --threads (wanting --threads=N) and throws on ours:
+  // it gets only the --kokkos-* options.
+  std::vector<char*> kokkos_args{argv[0]};
+  for (int i = 1; i < argc; ++i)
+    if (std::strncmp(argv[i], "--kokkos", 8) == 0) kokkos_args.push_back(argv[i]);
+  int kokkos_argc = int(kokkos_args.size());
+  Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_args.data());
 
   const BlasThreads blas;
   if (blas.set) blas.set(c.threads);
