@@ -117,7 +117,7 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     return {};
   }
   void allocate_factors() override {
-    if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
+    allocate_factor_storage();
     has_factors_ = true;
   }
   void release_factors() override {
@@ -125,7 +125,7 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     has_factors_ = false;
   }
   void update_factors(const Exec& exec, double decay) override {
-    if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
+    allocate_factor_storage();
     const double old_w = has_factors_ ? decay : 0.0, new_w = (has_factors_ ? 1.0 - decay : 1.0) / double(samples_);
     auto f = f_;
     auto sums = sums_;
@@ -217,6 +217,9 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
   const Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>& fisher() const { return f_; }
 
  private:
+  void allocate_factor_storage() {
+    if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
+  }
   void ensure_workspace() {
     if (out_.extent(0) == 0) {
       x_ = Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::x", c_, 2);

@@ -124,10 +124,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     return r;
   }
   void allocate_factors() override {
-    if (a_.extent(0) == 0) {
-      a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
-      g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
-    }
+    allocate_factor_storage();
     has_factors_ = true;
   }
   void release_factors() override {
@@ -136,10 +133,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     has_factors_ = false;
   }
   void update_factors(const Exec& exec, double decay) override {
-    if (a_.extent(0) == 0) {
-      a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
-      g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
-    }
+    allocate_factor_storage();
     accumulate(exec, a_rows_, a_norm_, decay, a_);
     accumulate(exec, g_rows_, g_norm_, decay, g_);
     has_factors_ = true;
@@ -286,18 +280,21 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   Kokkos::View<F*, typename Exec::memory_space> packed_factor(int which) const {
     static_assert(!diagonal, "packed_factor: diagonal factors have no triangle");
     const FMatrix f = which == 0 ? a_ : g_;
-    const int n = int(f.extent(0));
+    const index_t n = index_t(f.extent(0));
     Kokkos::View<F*, typename Exec::memory_space> p("kfac::layer::packed", std::size_t(n) * (n + 1) / 2);
-    Kokkos::parallel_for(
-        "kfac::layer::pack", Kokkos::RangePolicy<Exec>(0, n), KOKKOS_LAMBDA(int j) {
-          for (int i = 0; i <= j; ++i) p(std::size_t(j) * (j + 1) / 2 + i) = f(i, j);
-        });
+    impl::transfer_factor<Exec, F>(Exec(), impl::FactorBuffer{impl::buffer_of(f), n, true, true}, p, 0, true);
     return p;
   }
   const Fact* decomposition_a() const { return fa_.get(); }
   const Fact* decomposition_g() const { return fg_.get(); }
 
  private:
+  void allocate_factor_storage() {
+    if (a_.extent(0) == 0) {
+      a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
+      g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
+    }
+  }
   void ensure_workspace() {
     if (x_.extent(0) == 0) {
       x_ = DMatrix("kfac::layer::x", ng_, na_);

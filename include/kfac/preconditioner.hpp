@@ -555,8 +555,6 @@ class Preconditioner {
   }
   template <class T>
   void sum_bucket(const std::vector<impl::FactorBuffer>& bucket, std::size_t count) {
-    using Flat = Kokkos::View<T*, memory_space>;
-    using Mat = Kokkos::View<T**, Kokkos::LayoutLeft, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
     if (staging_bytes_ < count * sizeof(T)) {
       staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * sizeof(T));
       staging_bytes_ = count * sizeof(T);
@@ -565,57 +563,19 @@ class Preconditioner {
         reinterpret_cast<T*>(staging_.data()), count);
     std::size_t off = 0;
     for (const auto& f : bucket) {  // pack
-      const std::size_t o = off;
-      if (f.matrix) {
-        Mat m(static_cast<T*>(f.storage.data), f.n, f.n);
-        const int n = f.n;
-        if (f.packed)
-          Kokkos::parallel_for("kfac::comm::pack", Kokkos::RangePolicy<Exec>(exec_, 0, n),
-              KOKKOS_LAMBDA(int j) { for (int i = 0; i <= j; ++i) flat(o + std::size_t(j) * (j + 1) / 2 + i) = m(i, j); });
-        else
-          Kokkos::parallel_for("kfac::comm::pack_full", Kokkos::RangePolicy<Exec>(exec_, 0, n),
-              KOKKOS_LAMBDA(int j) { for (int i = 0; i < n; ++i) flat(o + std::size_t(j) * n + i) = m(i, j); });
-      } else {
-        const T* src = static_cast<const T*>(f.storage.data);
-        Kokkos::parallel_for("kfac::comm::pack_vector", Kokkos::RangePolicy<Exec>(exec_, 0, f.n),
-            KOKKOS_LAMBDA(int i) { flat(o + i) = src[i]; });
-      }
+      impl::transfer_factor<Exec, T>(exec_, f, flat, off, true);
       off += f.payload_count();
     }
     exec_.fence();
-    if constexpr (impl::host_accessible_v<Exec>) {
-      comm_.sum(flat.data(), count, sizeof(T), options_.comm_precision);
-    } else {
-      if (comm_.cuda_aware()) {
-        comm_.sum(flat.data(), count, sizeof(T), options_.comm_precision);
-      } else {
-        auto h = Kokkos::create_mirror_view(flat);
-        Kokkos::deep_copy(h, flat);
-        comm_.sum(h.data(), count, sizeof(T), options_.comm_precision);
-        Kokkos::deep_copy(flat, h);
-      }
-    }
+    on_host(flat.data(), count * sizeof(T), [&](void* p) {
+      comm_.sum(p, count, sizeof(T), options_.comm_precision);
+    });
     const T inv_world = T(1) / T(comm_.size());
     off = 0;
     for (const auto& f : bucket) {  // unpack and average
-      const std::size_t o = off;
-      if (f.matrix) {
-        Mat m(static_cast<T*>(f.storage.data), f.n, f.n);
-        const int n = f.n;
-        if (f.packed)
-          Kokkos::parallel_for("kfac::comm::unpack", Kokkos::RangePolicy<Exec>(exec_, 0, n),
-              KOKKOS_LAMBDA(int j) { for (int i = 0; i <= j; ++i) m(i, j) = flat(o + std::size_t(j) * (j + 1) / 2 + i) * inv_world; });
-        else
-          Kokkos::parallel_for("kfac::comm::unpack_full", Kokkos::RangePolicy<Exec>(exec_, 0, n),
-              KOKKOS_LAMBDA(int j) { for (int i = 0; i < n; ++i) m(i, j) = flat(o + std::size_t(j) * n + i) * inv_world; });
-      } else {
-        T* dst = static_cast<T*>(f.storage.data);
-        Kokkos::parallel_for("kfac::comm::unpack_vector", Kokkos::RangePolicy<Exec>(exec_, 0, f.n),
-            KOKKOS_LAMBDA(int i) { dst[i] = flat(o + i) * inv_world; });
-      }
+      impl::transfer_factor<Exec, T>(exec_, f, flat, off, false, inv_world);
       off += f.payload_count();
     }
-    (void)sizeof(Flat);
   }
 
   /// Decompositions: each factor on its assigned rank, broadcast within the layer's worker group.
@@ -706,19 +666,22 @@ class Preconditioner {
 
   void broadcast(const impl::Buffer& b, int root, int group) {
     if (comm_.size() == 1) return;
-    if constexpr (impl::host_accessible_v<Exec>) {
-      comm_.broadcast(b.data, b.bytes(), root, group);
-    } else {
-      if (comm_.cuda_aware()) {
-        comm_.broadcast(b.data, b.bytes(), root, group);
-      } else {
-        Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(static_cast<char*>(b.data), b.bytes());
-        auto h = Kokkos::create_mirror_view(d);
-        Kokkos::deep_copy(h, d);
-        comm_.broadcast(h.data(), b.bytes(), root, group);
-        Kokkos::deep_copy(d, h);
-      }
+    on_host(b.data, b.bytes(), [&](void* p) { comm_.broadcast(p, b.bytes(), root, group); });
+  }
+
+  /// Runs `f` on a pointer MPI may use: the buffer itself when it is host-accessible or MPI is
+  /// CUDA-aware, otherwise a host copy that is written back afterwards.
+  template <class F>
+  void on_host(void* data, std::size_t bytes, F&& f) {
+    if (impl::host_accessible_v<Exec> || comm_.cuda_aware()) {
+      f(data);
+      return;
     }
+    Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(static_cast<char*>(data), bytes);
+    auto h = Kokkos::create_mirror_view(d);
+    Kokkos::deep_copy(h, d);
+    f(h.data());
+    Kokkos::deep_copy(d, h);
   }
 
   void skip_step() {

@@ -123,6 +123,36 @@ Buffer buffer_of(const V& v) {
                 sizeof(typename V::non_const_value_type)};
 }
 
+/// Copies factor `f` to (`to_flat`) or from a flat buffer starting at `offset`, in its payload
+/// form: the packed upper triangle column by column (A(0,0), A(0,1), A(1,1), A(0,2), ...), the
+/// whole column-major matrix, or the flat vector. Values read from the flat buffer are scaled.
+template <class Exec, class T, class Flat>
+void transfer_factor(const Exec& exec, const FactorBuffer& f, const Flat& flat, std::size_t offset,
+                     bool to_flat, T scale = T(1)) {
+  T* data = static_cast<T*>(f.storage.data);
+  const std::size_t o = offset;
+  if (!f.matrix) {
+    Kokkos::parallel_for(
+        "kfac::comm::transfer_vector", Kokkos::RangePolicy<Exec>(exec, 0, f.n), KOKKOS_LAMBDA(int i) {
+          if (to_flat) flat(o + i) = data[i]; else data[i] = flat(o + i) * scale;
+        });
+    return;
+  }
+  Kokkos::View<T**, Kokkos::LayoutLeft, typename Exec::memory_space,
+               Kokkos::MemoryTraits<Kokkos::Unmanaged>>
+      m(data, f.n, f.n);
+  const int n = f.n;
+  const bool packed = f.packed;
+  Kokkos::parallel_for(
+      "kfac::comm::transfer_matrix", Kokkos::RangePolicy<Exec>(exec, 0, n), KOKKOS_LAMBDA(int j) {
+        const std::size_t col = packed ? o + std::size_t(j) * (j + 1) / 2 : o + std::size_t(j) * n;
+        const int rows = packed ? j + 1 : n;
+        for (int i = 0; i < rows; ++i) {
+          if (to_flat) flat(col + i) = m(i, j); else m(i, j) = flat(col + i) * scale;
+        }
+      });
+}
+
 /// Sum of squares of a matrix's entries, in double.
 template <class Exec, class M>
 double sum_of_squares(const Exec& exec, const M& m) {
