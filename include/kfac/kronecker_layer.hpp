@@ -29,6 +29,9 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   using D = typename Prec::decomposition_type;
   using FMatrix = impl::Matrix<F, Exec>;
   using DMatrix = impl::Matrix<D, Exec>;
+  // Observation rows keep the host framework's row-major layout: filling them is a contiguous
+  // copy, and BLAS reads them as the column-major transpose (syrk without a transpose).
+  using RMatrix = Kokkos::View<F**, Kokkos::LayoutRight, typename Exec::memory_space>;
   using Fact = typename InversePolicy::template Factorization<D, Exec>;
   static constexpr bool diagonal = FactorPolicy::is_diagonal;
 
@@ -68,7 +71,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
 
   void observe_input(const Exec& exec, const tensor_type& x) override {
     const auto e = impl::extents_of(x);
-    FMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
+    RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
                  layer_.a_rows(e), na_);
     layer_.fill_a_rows(exec, x, rows);
     a_rows_.push_back(rows);
@@ -80,7 +83,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   }
   void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
     const auto e = impl::extents_of(g);
-    FMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
+    RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
                  layer_.g_rows(e), ng_);
     layer_.fill_g_rows(exec, g, scale, rows);
     g_rows_.push_back(rows);
@@ -165,8 +168,8 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   void finish_decomposition(const Exec& exec, double damping, bool precompute) override {
     if constexpr (!diagonal && InversePolicy::damping_at_apply) {
       if (precompute) {
-        if (reciprocal_.extent(0) == 0) reciprocal_ = DMatrix("kfac::layer::reciprocal", ng_, na_);
-        InversePolicy::reciprocal(exec, *fa_, *fg_, damping, reciprocal_);
+        if (reciprocal_.extent(0) == 0) reciprocal_ = DMatrix("kfac::layer::reciprocal", na_, ng_);
+        InversePolicy::reciprocal(exec, *fg_, *fa_, damping, reciprocal_);
       } else {
         reciprocal_ = DMatrix();
       }
@@ -201,9 +204,8 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     const int cols = int(w.extent(1));
     Kokkos::parallel_for(
         "kfac::layer::load_gradient",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                            {ng_, na_}),
-        KOKKOS_LAMBDA(int i, int j) { x(i, j) = D(j < cols ? w(i, j) : b(i)); });
+        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
+        KOKKOS_LAMBDA(int j, int i) { x(j, i) = D(j < cols ? w(i, j) : b(i)); });
   }
   void apply(const Exec& exec, double damping) override {
     if constexpr (diagonal) {
@@ -214,11 +216,10 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
       const D d = D(damping);
       Kokkos::parallel_for(
           "kfac::layer::diagonal_solve",
-          Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                              {ng_, na_}),
-          KOKKOS_LAMBDA(int i, int j) { out(i, j) = x(i, j) / (D(g(i, 0)) * D(a(j, 0)) + d); });
+          impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
+          KOKKOS_LAMBDA(int j, int i) { out(j, i) = x(j, i) / (D(g(i, 0)) * D(a(j, 0)) + d); });
     } else {
-      InversePolicy::apply(exec, *fa_, *fg_, x_, damping, reciprocal_, work_, out_);
+      InversePolicy::apply(exec, *fg_, *fa_, x_, damping, reciprocal_, work_, out_);
     }
   }
   double inner_product(const Exec& exec) const override {
@@ -227,9 +228,8 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     auto x = x_;
     Kokkos::parallel_reduce(
         "kfac::layer::vg_sum",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                            {ng_, na_}),
-        KOKKOS_LAMBDA(int i, int j, double& s) { s += double(out(i, j)) * double(x(i, j)); }, vg);
+        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
+        KOKKOS_LAMBDA(int j, int i, double& s) { s += double(out(j, i)) * double(x(j, i)); }, vg);
     return vg;
   }
   impl::Buffer preconditioned() override {
@@ -244,10 +244,9 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     const D scale = D(nu);
     Kokkos::parallel_for(
         "kfac::layer::store_gradient",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                            {rows, total}),
-        KOKKOS_LAMBDA(int i, int j) {
-          const Scalar v = Scalar(scale * out(i, j));
+        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {total, rows}),
+        KOKKOS_LAMBDA(int j, int i) {
+          const Scalar v = Scalar(scale * out(j, i));
           if (j < cols) w(i, j) = v; else b(i) = v;
         });
   }
@@ -295,16 +294,21 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
       g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
     }
   }
+  // The gradient buffers x_, work_, out_ (and reciprocal_) hold transposes, (a_dim x g_dim)
+  // column-major: the memory order of the caller's row-major (g_dim x a_dim) gradient, so that
+  // loading and storing it are contiguous copies. Preconditioning X^T with the roles of A and G
+  // exchanged yields V^T, because every inversion policy computes f(G) X h(A) with f(G), h(A)
+  // symmetric.
   void ensure_workspace() {
     if (x_.extent(0) == 0) {
-      x_ = DMatrix("kfac::layer::x", ng_, na_);
-      out_ = DMatrix("kfac::layer::out", ng_, na_);
-      if (!diagonal) work_ = DMatrix("kfac::layer::work", ng_, na_);
+      x_ = DMatrix("kfac::layer::x", na_, ng_);
+      out_ = DMatrix("kfac::layer::out", na_, ng_);
+      if (!diagonal) work_ = DMatrix("kfac::layer::work", na_, ng_);
     }
   }
 
   /// f = decay f + (1 - decay) sum_k rows_k^T rows_k / norm (f = the new value on the first update).
-  void accumulate(const Exec& exec, const std::vector<FMatrix>& list, double norm, double decay,
+  void accumulate(const Exec& exec, const std::vector<RMatrix>& list, double norm, double decay,
                   const FMatrix& f) {
     const double new_weight = has_factors_ ? 1.0 - decay : 1.0;
     const F alpha = F(new_weight / norm);
@@ -336,7 +340,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   index_t na_, ng_;
   impl::Extents last_input_{0, 0, 0, 0};
   std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
-  std::vector<FMatrix> a_rows_, g_rows_;
+  std::vector<RMatrix> a_rows_, g_rows_;
   double a_norm_ = 0, g_norm_ = 0;
   double a_trace_ = 0, g_trace_ = 0;  // sums of squares of the pending rows, in double
   long a_samples_ = 0, g_samples_ = 0;

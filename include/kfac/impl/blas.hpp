@@ -40,11 +40,16 @@ inline int lapack_potrf(int n, double* a, int ld) { return LAPACKE_dpotrf(LAPACK
 inline int lapack_potrf(int n, float* a, int ld) { return LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', n, a, ld); }
 inline int lapack_potri(int n, double* a, int ld) { return LAPACKE_dpotri(LAPACK_COL_MAJOR, 'U', n, a, ld); }
 inline int lapack_potri(int n, float* a, int ld) { return LAPACKE_spotri(LAPACK_COL_MAJOR, 'U', n, a, ld); }
-inline void blas_syrk(int n, int k, double alpha, const double* r, int ldr, double beta, double* c, int ldc) {
-  cblas_dsyrk(CblasColMajor, CblasUpper, CblasTrans, n, k, alpha, r, ldr, beta, c, ldc);
+/// Upper triangle of C = alpha op(R) op(R)^T + beta C, op(R) = R^T (k x n, trans) or R (n x k).
+inline void blas_syrk(bool trans, int n, int k, double alpha, const double* r, int ldr,
+                      double beta, double* c, int ldc) {
+  cblas_dsyrk(CblasColMajor, CblasUpper, trans ? CblasTrans : CblasNoTrans, n, k, alpha, r, ldr,
+              beta, c, ldc);
 }
-inline void blas_syrk(int n, int k, float alpha, const float* r, int ldr, float beta, float* c, int ldc) {
-  cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, n, k, alpha, r, ldr, beta, c, ldc);
+inline void blas_syrk(bool trans, int n, int k, float alpha, const float* r, int ldr, float beta,
+                      float* c, int ldc) {
+  cblas_ssyrk(CblasColMajor, CblasUpper, trans ? CblasTrans : CblasNoTrans, n, k, alpha, r, ldr,
+              beta, c, ldc);
 }
 #endif
 
@@ -68,22 +73,36 @@ void gemm(const Exec& exec, const char* ta, const char* tb, typename C::non_cons
 #endif
 }
 
-/// Upper triangle of C = alpha R^T R + beta C for R (k x n). The portable path computes the
-/// full product with GEMM; the BLAS path uses syrk (half the flops).
-template <class Exec, class T>
-void syrk_t_upper(const Exec& exec, T alpha, const Matrix<T, Exec>& r, T beta,
-                  const Matrix<T, Exec>& c) {
+/// Upper triangle of C = alpha R^T R + beta C for R (k x n), column-major (LayoutLeft) or
+/// row-major (LayoutRight). A row-major R is the column-major R^T, so no layout needs a copy.
+/// The portable path computes the full product with GEMM; the BLAS path uses syrk (half the
+/// flops).
+template <class Exec, class T, class R>
+void syrk_t_upper(const Exec& exec, T alpha, const R& r, T beta, const Matrix<T, Exec>& c) {
+  constexpr bool row_major = std::is_same<typename R::array_layout, Kokkos::LayoutRight>::value;
+  static_assert(row_major || std::is_same<typename R::array_layout, Kokkos::LayoutLeft>::value,
+                "kfac::impl::syrk_t_upper: R must be LayoutLeft or LayoutRight");
   const int n = int(c.extent(0)), k = int(r.extent(0));
   if (n == 0) return;
 #if defined(KFAC_HAVE_LAPACK)
   if constexpr (host_accessible_v<Exec>) {
     exec.fence();
-    const int ldr = k > 0 ? int(r.stride(1)) : 1, ldc = int(c.stride(1));
-    blas_syrk(n, k, alpha, r.data(), ldr > 0 ? ldr : 1, beta, c.data(), ldc);
+    const int ldc = int(c.stride(1));
+    if constexpr (row_major)
+      blas_syrk(false, n, k, alpha, r.data(), n, beta, c.data(), ldc);
+    else
+      blas_syrk(true, n, k, alpha, r.data(), k > 0 ? int(r.stride(1)) : 1, beta, c.data(), ldc);
     return;
   }
 #endif
-  gemm(exec, "T", "N", alpha, r, r, beta, c);
+  if constexpr (row_major) {
+    const Kokkos::View<const T**, Kokkos::LayoutLeft, typename Exec::memory_space,
+                       Kokkos::MemoryTraits<Kokkos::Unmanaged>>
+        rt(r.data(), n, k);
+    gemm(exec, "N", "T", alpha, rt, rt, beta, c);
+  } else {
+    gemm(exec, "T", "N", alpha, r, r, beta, c);
+  }
 }
 
 /// Copies the upper triangle of src into the whole of dst (symmetrizing, converting type).
@@ -93,7 +112,7 @@ void symmetric_copy(const Exec& exec, const S& src, const D& dst) {
   const int n = int(src.extent(0));
   Kokkos::parallel_for(
       "kfac::linalg::symmetric_copy",
-      Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+      ColumnMajorRange<Exec>(exec, {0, 0}, {n, n}),
       KOKKOS_LAMBDA(int i, int j) { dst(i, j) = T(i <= j ? src(i, j) : src(j, i)); });
 }
 
@@ -176,15 +195,21 @@ void jacobi_eigh(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exe
 template <class Backend, class Exec, class F, class T>
 void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T, Exec>& w) {
   const int n = int(f.extent(0));
-  symmetric_copy(exec, f, q);
 #if defined(KFAC_HAVE_LAPACK)
   if constexpr (use_lapack_v<Exec, Backend>) {
+    // syevd reads only the upper triangle: a plain copy (a memcpy) does when no type changes.
+    if constexpr (std::is_same<typename F::non_const_value_type, T>::value &&
+                  std::is_same<typename F::array_layout, Kokkos::LayoutLeft>::value)
+      Kokkos::deep_copy(exec, q, f);
+    else
+      symmetric_copy(exec, f, q);
     exec.fence();
     const int info = lapack_syevd(n, q.data(), int(q.stride(1)), w.data());
     if (info != 0) throw Error("", "LAPACK syevd failed with info = " + std::to_string(info));
     return;
   }
 #endif
+  symmetric_copy(exec, f, q);
 #if defined(KFAC_HAVE_CUSOLVER)
   if constexpr (std::is_same<Exec, Kokkos::Cuda>::value && std::is_same<Backend, AutoBackend>::value) {
     cusolver_eigh(exec, q, w);
@@ -270,12 +295,12 @@ int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T,
   double fro2 = 0;
   Kokkos::parallel_reduce(
       "kfac::linalg::frobenius",
-      Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+      ColumnMajorRange<Exec>(exec, {0, 0}, {n, n}),
       KOKKOS_LAMBDA(int i, int j, double& s) { s += double(m(i, j)) * double(m(i, j)); }, fro2);
   const T inv_norm = T(1.0 / std::sqrt(fro2));
   Kokkos::parallel_for(
       "kfac::linalg::ns_init",
-      Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+      ColumnMajorRange<Exec>(exec, {0, 0}, {n, n}),
       KOKKOS_LAMBDA(int i, int j) { x(i, j) = i == j ? inv_norm : T(0); });
   const double tol = (sizeof(T) == 4 ? 1e-6 : 1e-14) * std::sqrt(double(n));
   double previous = 1e300;
@@ -284,7 +309,7 @@ int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T,
     double res2 = 0;
     Kokkos::parallel_reduce(
         "kfac::linalg::ns_residual",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, n}),
+        ColumnMajorRange<Exec>(exec, {0, 0}, {n, n}),
         KOKKOS_LAMBDA(int i, int j, double& s) {
           const double r = double(i == j) - double(t(i, j));
           s += r * r;

@@ -29,6 +29,18 @@ KOKKOS_INLINE_FUNCTION bool finite_(T x) {
 
 template <class T, class Exec>
 using Matrix = Kokkos::View<T**, Kokkos::LayoutLeft, typename Exec::memory_space>;
+
+/// 2-D ranges whose first index runs fastest, across tiles and inside them, for kernels over
+/// LayoutLeft matrices. `Kokkos::Rank<2, Iterate::Left>` alone orders only the tiles: inside a
+/// tile the host default is row-major, which made such kernels stride through memory (5-20x
+/// slower on the Serial backend at n >= 1024).
+template <class Exec>
+using ColumnMajorRange =
+    Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left, Kokkos::Iterate::Left>>;
+/// The same with the last index fastest, for kernels over LayoutRight matrices.
+template <class Exec>
+using RowMajorRange =
+    Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Right, Kokkos::Iterate::Right>>;
 template <class T, class Exec>
 using Vector = Kokkos::View<T*, typename Exec::memory_space>;
 

@@ -53,8 +53,7 @@ struct Eigendecomposition {
     const T d = T(damping);
     Kokkos::parallel_for(
         "kfac::eigen::reciprocal",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(
-            exec, {0, 0}, {int(r.extent(0)), int(r.extent(1))}),
+        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {int(r.extent(0)), int(r.extent(1))}),
         KOKKOS_LAMBDA(int i, int j) { r(i, j) = T(1) / (lg(i) * la(j) + d); });
   }
 
@@ -72,8 +71,7 @@ struct Eigendecomposition {
     const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
     Kokkos::parallel_for(
         "kfac::eigen::scale",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(
-            exec, {0, 0}, {int(out.extent(0)), int(out.extent(1))}),
+        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {int(out.extent(0)), int(out.extent(1))}),
         KOKKOS_LAMBDA(int i, int j) {
           out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d);
         });

@@ -98,8 +98,7 @@ class Conv2d {
     const bool bias = bias_;
     Kokkos::parallel_for(
         "kfac::conv2d::im2col",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(
-            exec, {0, 0}, {n * ho * wo, patch + int(bias)}),
+        impl::RowMajorRange<Exec>(exec, {0, 0}, {n * ho * wo, patch + int(bias)}),
         KOKKOS_LAMBDA(int r, int col) {
           if (col == patch) { rows(r, col) = T(1); return; }
           const int s = r / (ho * wo), loc = r % (ho * wo), oy = loc / wo, ox = loc % wo;
@@ -117,8 +116,7 @@ class Conv2d {
     const T s = T(scale);
     Kokkos::parallel_for(
         "kfac::conv2d::g_rows",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                            {n * ho * wo, o}),
+        impl::RowMajorRange<Exec>(exec, {0, 0}, {n * ho * wo, o}),
         KOKKOS_LAMBDA(int r, int c) {
           const int smp = r / (ho * wo), loc = r % (ho * wo);
           rows(r, c) = s * T(g(smp, c, loc / wo, loc % wo));

@@ -68,8 +68,7 @@ class Dense {
     const bool bias = bias_;
     Kokkos::parallel_for(
         "kfac::dense::a_rows",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0},
-                                                                            {n, in + int(bias)}),
+        impl::RowMajorRange<Exec>(exec, {0, 0}, {n, in + int(bias)}),
         KOKKOS_LAMBDA(int r, int c) { rows(r, c) = c < in ? T(x(r, c, 0, 0)) : T(1); });
   }
   template <class Exec, class Scalar, class Rows>
@@ -80,7 +79,7 @@ class Dense {
     const T s = T(scale);
     Kokkos::parallel_for(
         "kfac::dense::g_rows",
-        Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Left>>(exec, {0, 0}, {n, out}),
+        impl::RowMajorRange<Exec>(exec, {0, 0}, {n, out}),
         KOKKOS_LAMBDA(int r, int c) { rows(r, c) = s * T(g(r, c, 0, 0)); });
   }
 
