@@ -390,7 +390,8 @@ class CostModel {
     }
     p.decomposition_phase_seconds = *std::max_element(clock.begin(), clock.end());
 
-    // Preconditioning phase, replaying Preconditioner::precondition.
+    // Preconditioning phase, replaying Preconditioner::precondition: every rank preconditions
+    // all of its layers, then the receiver broadcasts follow in layer order.
     std::fill(clock.begin(), clock.end(), 0.0);
     for (std::size_t l = 0; l < n; ++l) {
       const LayerShape& s = layers_[l];
@@ -401,7 +402,11 @@ class CostModel {
         p.ranks[std::size_t(r)].preconditioning_seconds += t;
         clock[std::size_t(r)] += t;
       }
-      if (gw == world) continue;
+    }
+    for (std::size_t l = 0; l < n && gw < world; ++l) {
+      const LayerShape& s = layers_[l];
+      if (skip[l] || s.decomposed_factors() == 0) continue;
+      const int lo = a.worker_group(l) * gw;
       const std::size_t bytes = std::size_t(s.g_dim) * std::size_t(s.a_dim) * s.decomposition_scalar;
       for (int j = 0; j < gw; ++j) {  // receiver group j: ranks j, j + gw, ...; root k gw + j
         std::vector<int> group;

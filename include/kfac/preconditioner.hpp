@@ -650,16 +650,24 @@ class Preconditioner {
   }
 
   /// Gradient workers precondition their layers; receivers get V from their group's worker.
+  /// Every rank first preconditions all of its own layers and only then takes part in the
+  /// broadcasts, so that under MEM-OPT/HYBRID the ranks' GEMMs overlap instead of taking turns.
   void precondition(double damping) {
     const int me = comm_.rank();
+    const auto received = [&](std::size_t l) {
+      return layers_[l].layer->decomposed_factors() > 0 && !assignment_.is_grad_worker(l, me);
+    };
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       auto& e = layers_[l];
       if (e.skipped) continue;
-      e.layer->load_gradient(exec_, e.w, e.b);
-      const bool local = e.layer->decomposed_factors() == 0;
-      if (local || assignment_.is_grad_worker(l, me)) e.layer->apply(exec_, damping);
-      if (local || assignment_.grad_workers() == comm_.size()) continue;
-      exec_.fence();
+      e.layer->load_gradient(exec_, e.w, e.b);  // receivers too: X enters the KL-clip sum
+      if (!received(l)) e.layer->apply(exec_, damping);
+    }
+    if (assignment_.grad_workers() == comm_.size()) return;
+    exec_.fence();
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      auto& e = layers_[l];
+      if (e.skipped || e.layer->decomposed_factors() == 0) continue;
       broadcast(e.layer->preconditioned(), assignment_.worker_group(l), receiver_comm_);
     }
   }
