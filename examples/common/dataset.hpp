@@ -83,15 +83,24 @@ inline Batch slice(const Dataset& d, int begin, int end) {
 
 /// \brief Draws mini-batches without replacement, in an order reshuffled every epoch from the
 /// seed alone; the last incomplete batch of an epoch is dropped so every step sees `batch` samples.
+///
+/// Data-parallel: with `shards` > 1 every shard draws the same global batch of `batch` samples
+/// and get() returns only shard `shard`'s slice of it (batch / shards samples, consecutive).
 class Batcher {
  public:
-  Batcher(const Dataset& data, int batch, std::uint64_t seed)
-      : data_(data), batch_(batch < data.size() ? batch : data.size()), seed_(seed),
-        order_("nn::batcher::order", data.size()), x_("nn::batcher::x"), y_("nn::batcher::y") {
+  Batcher(const Dataset& data, int batch, std::uint64_t seed, int shard = 0, int shards = 1)
+      : data_(data), batch_(batch < data.size() ? batch : data.size()), seed_(seed), shard_(shard),
+        shards_(shards), order_("nn::batcher::order", data.size()), x_("nn::batcher::x"), y_("nn::batcher::y") {
     if (batch_ < 1) throw std::invalid_argument("nn::Batcher: empty dataset or batch");
+    if (shards_ < 1 || shard_ < 0 || shard_ >= shards_ || batch_ % shards_ != 0)
+      throw std::invalid_argument("nn::Batcher: the batch (" + std::to_string(batch_) +
+                                  ") must split evenly over " + std::to_string(shards_) + " processes");
   }
 
+  /// \brief Samples per step over all shards.
   int batch_size() const { return batch_; }
+  /// \brief Samples per step of this shard.
+  int local_batch_size() const { return batch_ / shards_; }
   int steps_per_epoch() const { return data_.size() / batch_; }
 
   void start_epoch(int epoch) {
@@ -105,11 +114,11 @@ class Batcher {
   /// \brief The step-th batch of the current epoch, gathered into storage this Batcher owns.
   Batch get(int step) {
     const Tensor& im = data_.images;
-    const int b = batch_;
+    const int b = local_batch_size();
     const Tensor x = x_.tensor(b, im.extent(1), im.extent(2), im.extent(3));
     const Matrix dst = as_matrix(x), src = as_matrix(im);
     const Labels y(y_.matrix(b, 1).data(), b), labels = data_.labels, order = order_;
-    const int first = step * b;
+    const int first = step * batch_ + shard_ * b;
     Kokkos::parallel_for("nn::batcher::gather", range2(b, dst.extent(1)), KOKKOS_LAMBDA(const int s, const int k) {
       dst(s, k) = src(order(first + s), k);
       if (k == 0) y(s) = labels(order(first + s));
@@ -121,6 +130,7 @@ class Batcher {
   Dataset data_;
   int batch_;
   std::uint64_t seed_;
+  int shard_, shards_;
   Labels order_;
   Buffer<float> x_;
   Buffer<int> y_;

@@ -8,6 +8,7 @@
 
 #include "common/network.hpp"
 #include "common/sgd.hpp"
+#include "common/world.hpp"
 
 #include <memory>
 #include <stdexcept>
@@ -17,6 +18,9 @@
 #if !defined(KFAC_EXAMPLES_WITHOUT_KFAC) && __has_include(<kfac/kfac.hpp>)
 #define KFAC_EXAMPLES_HAVE_KFAC 1
 #include <kfac/kfac.hpp>
+#if KFAC_EXAMPLES_HAVE_MPI
+#include <kfac/comm/mpi_comm.hpp>
+#endif
 #else
 #define KFAC_EXAMPLES_HAVE_KFAC 0
 #endif
@@ -33,6 +37,7 @@ namespace nn {
 /// | double | factor_decay | running-average weight of the old factors | 0.95 |
 /// | long | factor_update_steps | steps between factor updates | 10 |
 /// | long | inv_update_steps | steps between decompositions | 100 |
+/// | string | inverse | "eigen" (kfac::Eigendecomposition) or "cholesky" (damped inverses) | eigen |
 ///
 /// The defaults come from short sweeps on Fashion-MNIST (both models, 120-240 steps, batch 256):
 /// damping 1e-3 let momentum SGD diverge on the MLP; 0.03-0.1 were stable and alike. Updating
@@ -46,80 +51,155 @@ struct KfacSettings {
   double factor_decay = 0.95;
   long factor_update_steps = 10;
   long inv_update_steps = 100;
+  std::string inverse = "eigen";
 };
 
 #if KFAC_EXAMPLES_HAVE_KFAC
 
 class KfacSgd {
  public:
-  KfacSgd(Network& net, const KfacSettings& s)
-      : pre_(std::make_unique<Preconditioner>(kfac::Options{}
-                                                  .with_lr(s.lr)
-                                                  .with_damping(s.damping)
-                                                  .with_kl_clip(s.kl_clip)
-                                                  .with_factor_decay(s.factor_decay)
-                                                  .with_factor_update_steps(s.factor_update_steps)
-                                                  .with_inv_update_steps(s.inv_update_steps)
-                                                  .with_loss_reduction(kfac::LossReduction::mean))),
-        sgd_(net.params(), SgdOptions{}.with_lr(s.lr).with_momentum(s.momentum).with_weight_decay(s.weight_decay)) {
-    net.for_each_layer([&](const std::string& name, const auto& layer) {
-      using L = std::decay_t<decltype(layer)>;
-      if constexpr (std::is_same_v<L, Dense>) {
-        pre_->register_layer<kfac::Dense>(name, kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias()));
-      } else if constexpr (std::is_same_v<L, Conv2d>) {
-        const Conv2dShape& c = layer.shape();
-        pre_->register_layer<kfac::Conv2d>(name, kfac::Conv2d(c.in_channels, c.out_channels, c.kernel_h, c.kernel_w)
-                                                     .with_stride(c.stride, c.stride)
-                                                     .with_padding(c.padding, c.padding)
-                                                     .with_bias(c.bias));
-      } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
-        pre_->register_layer<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels()));
-      }
-    });
+  /// \param world [in] one process, or the ranks whose factors are averaged (MPI)
+  KfacSgd(Network& net, const KfacSettings& s, const World& world = World())
+      : sgd_(net.params(), SgdOptions{}.with_lr(s.lr).with_momentum(s.momentum).with_weight_decay(s.weight_decay)) {
+    if (s.inverse != "eigen" && s.inverse != "cholesky")
+      throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen or cholesky)");
+    const kfac::Options options = kfac::Options{}
+                                      .with_lr(s.lr)
+                                      .with_damping(s.damping)
+                                      .with_kl_clip(s.kl_clip)
+                                      .with_factor_decay(s.factor_decay)
+                                      .with_factor_update_steps(s.factor_update_steps)
+                                      .with_inv_update_steps(s.inv_update_steps)
+                                      .with_loss_reduction(kfac::LossReduction::mean);
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (world.size() > 1)
+      mpi_ = std::make_unique<MpiPreconditioner>(options, ExecSpace(), kfac::MpiComm(world.comm()));
+#endif
+    if (world.size() > 1 && !mpi_) throw std::runtime_error("data-parallel K-FAC needs kfac built with MPI");
+    if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options);
+    const bool cholesky = s.inverse == "cholesky";
+    with_preconditioner([&](auto& pre) { register_layers(net, pre, cholesky); });
   }
 
-  /// \brief After forward and backward: hand kfac the observations and gradients, let it
-  /// precondition the gradients in place, then take the SGD step with them.
+  /// \brief After forward and backward (and gradient averaging): hand kfac the observations and
+  /// gradients, let it precondition the gradients in place, then take the SGD step with them.
   void step(Network& net) {
-    const bool observe = pre_->wants_observations();
-    net.for_each_layer([&](const std::string& name, const auto& layer) {
-      using L = std::decay_t<decltype(layer)>;
-      if constexpr (std::is_same_v<L, Dense> || std::is_same_v<L, Conv2d>) {
-        if (observe) {
-          pre_->observe_input(name, layer.input());
-          pre_->observe_output_grad(name, layer.output_grad());
-        }
-        pre_->set_gradient(name, layer.weight_grad(), layer.bias_grad());
-      } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
-        if (observe) {
-          pre_->observe_input(name, layer.normalized_input());
-          pre_->observe_output_grad(name, layer.output_grad());
-        }
-        pre_->set_gradient(name, layer.gamma_grad(), layer.beta_grad());
-      }
-    });
-    pre_->step();
+    with_preconditioner([&](auto& pre) { precondition(net, pre); });
     sgd_.step();
   }
 
   /// \brief The KL-clip scale of the last step (1 = unclipped), for diagnostics.
-  double last_kl_scale() const { return pre_->last_kl_scale(); }
+  double last_kl_scale() const { return mpi_ ? mpi_->last_kl_scale() : serial_->last_kl_scale(); }
 
  private:
-  using Preconditioner = kfac::Preconditioner<float, ExecSpace>;
-  std::unique_ptr<Preconditioner> pre_;  // held by pointer so KfacSgd moves whatever kfac allows
+  using SerialPreconditioner = kfac::Preconditioner<float, ExecSpace, kfac::SerialComm>;
+#if KFAC_EXAMPLES_HAVE_MPI
+  using MpiPreconditioner = kfac::Preconditioner<float, ExecSpace, kfac::MpiComm>;
+#else
+  using MpiPreconditioner = SerialPreconditioner;  // never constructed
+#endif
+
+  template <class F>
+  void with_preconditioner(F&& f) {
+    if (mpi_) f(*mpi_);
+    else f(*serial_);
+  }
+
+  template <class Pre>
+  static void register_layers(Network& net, Pre& pre, bool cholesky) {
+    auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
+      using K = std::decay_t<decltype(kfac_layer)>;
+      if (cholesky) pre.template register_layer<K, kfac::Symmetric, kfac::Cholesky<>>(name, kfac_layer);
+      else pre.template register_layer<K>(name, kfac_layer);
+    };
+    net.for_each_layer([&](const std::string& name, const auto& layer) {
+      using L = std::decay_t<decltype(layer)>;
+      if constexpr (std::is_same_v<L, Dense>) {
+        kronecker(name, kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias()));
+      } else if constexpr (std::is_same_v<L, Conv2d>) {
+        const Conv2dShape& c = layer.shape();
+        kronecker(name, kfac::Conv2d(c.in_channels, c.out_channels, c.kernel_h, c.kernel_w)
+                            .with_stride(c.stride, c.stride)
+                            .with_padding(c.padding, c.padding)
+                            .with_bias(c.bias));
+      } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
+        pre.template register_layer<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels()));
+      }
+    });
+  }
+
+  template <class Pre>
+  static void precondition(Network& net, Pre& pre) {
+    const bool observe = pre.wants_observations();
+    net.for_each_layer([&](const std::string& name, const auto& layer) {
+      using L = std::decay_t<decltype(layer)>;
+      if constexpr (std::is_same_v<L, Dense> || std::is_same_v<L, Conv2d>) {
+        if (observe) {
+          pre.observe_input(name, layer.input());
+          pre.observe_output_grad(name, layer.output_grad());
+        }
+        pre.set_gradient(name, layer.weight_grad(), layer.bias_grad());
+      } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
+        if (observe) {
+          pre.observe_input(name, layer.normalized_input());
+          pre.observe_output_grad(name, layer.output_grad());
+        }
+        pre.set_gradient(name, layer.gamma_grad(), layer.beta_grad());
+      }
+    });
+    pre.step();
+  }
+
+  // Held by pointer so that KfacSgd moves whatever kfac allows; exactly one is set.
+  std::unique_ptr<SerialPreconditioner> serial_;
+  std::unique_ptr<MpiPreconditioner> mpi_;
   Sgd sgd_;
+};
+
+/// \brief Averages every parameter gradient of a network over the ranks of a World after each
+/// backward pass (kfac::GradientAverager); nothing to do on one process.
+class GradientSync {
+ public:
+  GradientSync(const Network& net, const World& world) {
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (world.size() > 1) {
+      averager_ = std::make_unique<kfac::GradientAverager<kfac::MpiComm>>(kfac::MpiComm(world.comm()));
+      for (const Param& p : net.params()) averager_->add(p.grad);
+    }
+#else
+    (void)net;
+    if (world.size() > 1) throw std::runtime_error("data-parallel training needs kfac built with MPI");
+#endif
+  }
+  void average() {
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (averager_) averager_->average();
+#endif
+  }
+
+ private:
+#if KFAC_EXAMPLES_HAVE_MPI
+  std::unique_ptr<kfac::GradientAverager<kfac::MpiComm>> averager_;
+#endif
 };
 
 #else
 
 class KfacSgd {
  public:
-  KfacSgd(Network&, const KfacSettings&) {
+  KfacSgd(Network&, const KfacSettings&, const World& = World()) {
     throw std::runtime_error("this build of the examples has no kfac (KFAC_EXAMPLES_WITHOUT_KFAC)");
   }
   void step(Network&) {}
   double last_kl_scale() const { return 1.0; }
+};
+
+class GradientSync {
+ public:
+  GradientSync(const Network&, const World& world) {
+    if (world.size() > 1) throw std::runtime_error("data-parallel training needs kfac (and MPI)");
+  }
+  void average() {}
 };
 
 #endif

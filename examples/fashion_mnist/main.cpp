@@ -1,16 +1,17 @@
 /// \file main.cpp
 /// \brief Fashion-MNIST demo: trains one small network with SGD, Adam and K-FAC from the same
-/// initialisation and batch order, and compares test accuracy against training wall time.
+/// initialisation and batch order, and compares test accuracy against training wall time, over
+/// several seeds and learning rates if asked, single-process or data-parallel under mpiexec.
 ///
 /// Wall time counts training steps only; test-set evaluations (several per epoch) are excluded
 /// from it, so optimizers are compared on the work that produces the model.
 ///
-/// The default model is the CNN. On the MLP a step is a few small GEMMs, and K-FAC's own work
-/// (products with the eigenbases of fc1's 785x785 and 256x256 factors, every step) costs several
-/// SGD steps on a CPU, more than it saves in steps; on the CNN a step costs far more, K-FAC adds
-/// little to it, and reaches a given accuracy in fewer steps.
+/// On the MLP a step is a few small GEMMs, and K-FAC's own work (products with fc1's 785x785 and
+/// 256x256 factors, every step) costs about as much again as the step; on the CNN a step costs
+/// far more, K-FAC adds little to it, and reaches a given accuracy in fewer steps.
 
 #include "common/trainer.hpp"
+#include "common/world.hpp"
 #include "fashion_mnist/report.hpp"
 
 #include <Kokkos_Core.hpp>
@@ -22,6 +23,8 @@
 #include <ctime>
 #include <exception>
 #include <limits>
+#include <map>
+#include <sstream>
 #include <string>
 #include <sys/stat.h>
 #include <type_traits>
@@ -35,7 +38,7 @@ namespace {
 struct Args {
   std::string optimizer = "all";
   nn::TrainSettings train;
-  int epochs = 3;
+  int epochs = 8;
   int threads = 0;
   std::string out = "results";
   std::string data = "/usr/share/datasets/fashion-mnist";
@@ -44,36 +47,62 @@ struct Args {
   int eval_every = 0;
   double target_acc = 0.88;
   bool append = false;
+  std::vector<std::uint64_t> seeds{1, 2, 3};
+  std::map<std::string, std::vector<double>> lrs;  ///< per optimizer; empty: its default
 };
 
 void usage() {
   std::printf(
-      "usage: fashion_mnist [options]\n"
+      "usage: fashion_mnist [options]        (data-parallel: mpiexec -n P fashion_mnist [options])\n"
       "  --optimizer sgd|adam|kfac|all   optimizers to run, from the same start (default all)\n"
-      "  --model mlp|cnn                 2-conv BatchNorm net, or 784-256-256-10 MLP (default cnn)\n"
-      "  --epochs N                      epochs per optimizer (default 3)\n"
-      "  --batch N                       samples per step (default 256)\n"
-      "  --lr X                          learning rate (default: sgd %.3g, adam %.3g, kfac %.3g)\n"
+      "  --model mlp|cnn                 784-256-256-10 MLP, or a 2-conv BatchNorm net (default mlp)\n"
+      "  --epochs N                      epochs per run (default 8)\n"
+      "  --batch N                       samples per step, over all processes (default 256)\n"
+      "  --lr X[,Y...]                   learning rate(s) of every optimizer run\n"
+      "  --lr-sgd L --lr-adam L --lr-kfac L   comma lists per optimizer (a learning-rate sweep)\n"
+      "                                  (defaults: mlp sgd %g, adam %g, kfac %g; cnn sgd %g, adam %g, kfac %g)\n"
       "  --momentum X                    SGD / K-FAC momentum (default 0.9)\n"
       "  --weight-decay X                L2 on weights (default 0)\n"
       "  --damping X --kl-clip X --factor-decay X --factor-every N --inv-every N\n"
       "                                  K-FAC settings (default 0.1, 1e-3, 0.95, 10, 100)\n"
-      "  --seed N                        initialisation and shuffling seed (default 1)\n"
+      "  --inverse eigen|cholesky        K-FAC inversion of Dense/Conv2d factors (default eigen)\n"
+      "  --seeds A,B,...                 seeds of initialisation and batch order (default 1,2,3)\n"
+      "  --seed N                        one seed (same as --seeds N)\n"
       "  --threads N                     BLAS threads (default: leave OpenBLAS's choice)\n"
       "  --out DIR                       where log.csv and accuracy.png go (default results)\n"
       "  --append                        append to DIR/log.csv instead of starting it afresh\n"
       "  --data DIR                      Fashion-MNIST files (default /usr/share/datasets/fashion-mnist)\n"
       "  --train-subset N --test-subset N   use only the first N samples\n"
       "  --eval-every N                  evaluate every N steps and at epoch ends (default: 4 times per epoch)\n"
-      "  --target-acc X                  accuracy for the time-to-target column (default 0.88)\n",
-      nn::default_lr(nn::OptimizerKind::sgd), nn::default_lr(nn::OptimizerKind::adam),
-      nn::default_lr(nn::OptimizerKind::kfac));
+      "  --target-acc X                  accuracy for the time-to-target columns (default 0.88)\n",
+      nn::default_lr(nn::OptimizerKind::sgd, "mlp"), nn::default_lr(nn::OptimizerKind::adam, "mlp"),
+      nn::default_lr(nn::OptimizerKind::kfac, "mlp"), nn::default_lr(nn::OptimizerKind::sgd, "cnn"),
+      nn::default_lr(nn::OptimizerKind::adam, "cnn"), nn::default_lr(nn::OptimizerKind::kfac, "cnn"));
+}
+
+double to_number(const std::string& key, const std::string& value) {
+  try {
+    std::size_t used = 0;
+    const double v = std::stod(value, &used);
+    if (used != value.size()) throw std::invalid_argument("");
+    return v;
+  } catch (const std::exception&) {
+    throw std::invalid_argument(key + ": '" + value + "' is not a number");
+  }
+}
+
+std::vector<double> to_numbers(const std::string& key, const std::string& value) {
+  std::vector<double> v;
+  std::stringstream in(value);
+  for (std::string item; std::getline(in, item, ',');) v.push_back(to_number(key, item));
+  if (v.empty()) throw std::invalid_argument(key + " needs at least one value");
+  return v;
 }
 
 /// \param argv [in] the command line without the program name and the --kokkos-* options
 Args parse(const std::vector<std::string>& argv) {
   Args a;
-  a.train.model = "cnn";  // where K-FAC's extra work per step pays off (see the file comment)
+  a.train.model = "mlp";
   const std::size_t argc = argv.size();
   for (std::size_t i = 0; i < argc; ++i) {
     std::string key = argv[i], value;
@@ -94,21 +123,15 @@ Args parse(const std::vector<std::string>& argv) {
     } else {
       throw std::invalid_argument(key + " needs a value");
     }
-    auto num = [&](auto& dst) {
-      try {
-        std::size_t used = 0;
-        const double v = std::stod(value, &used);
-        if (used != value.size()) throw std::invalid_argument("");
-        dst = static_cast<std::remove_reference_t<decltype(dst)>>(v);
-      } catch (const std::exception&) {
-        throw std::invalid_argument(key + ": '" + value + "' is not a number");
-      }
-    };
+    auto num = [&](auto& dst) { dst = static_cast<std::remove_reference_t<decltype(dst)>>(to_number(key, value)); };
     if (key == "--optimizer") a.optimizer = value;
     else if (key == "--model") a.train.model = value;
     else if (key == "--epochs") num(a.epochs);
     else if (key == "--batch") num(a.train.batch);
-    else if (key == "--lr") num(a.train.lr);
+    else if (key == "--lr") a.lrs["all"] = to_numbers(key, value);
+    else if (key == "--lr-sgd") a.lrs["sgd"] = to_numbers(key, value);
+    else if (key == "--lr-adam") a.lrs["adam"] = to_numbers(key, value);
+    else if (key == "--lr-kfac") a.lrs["kfac"] = to_numbers(key, value);
     else if (key == "--momentum") num(a.train.momentum);
     else if (key == "--weight-decay") num(a.train.weight_decay);
     else if (key == "--damping") num(a.train.kfac.damping);
@@ -116,7 +139,14 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--factor-decay") num(a.train.kfac.factor_decay);
     else if (key == "--inv-every") num(a.train.kfac.inv_update_steps);
     else if (key == "--factor-every") num(a.train.kfac.factor_update_steps);
-    else if (key == "--seed") num(a.train.seed);
+    else if (key == "--inverse") a.train.kfac.inverse = value;
+    else if (key == "--seed" || key == "--seeds") {
+      a.seeds.clear();
+      for (double v : to_numbers(key, value)) {
+        if (v < 0 || v != std::floor(v)) throw std::invalid_argument(key + ": seeds are whole numbers >= 0");
+        a.seeds.push_back(std::uint64_t(v));
+      }
+    }
     else if (key == "--threads") num(a.threads);
     else if (key == "--out") a.out = value;
     else if (key == "--data") a.data = value;
@@ -127,25 +157,41 @@ Args parse(const std::vector<std::string>& argv) {
     else throw std::invalid_argument("unknown option " + key + " (see --help)");
   }
   if (a.epochs < 1 || a.train.batch < 1) throw std::invalid_argument("--epochs and --batch must be >= 1");
+  for (const auto& [who, list] : a.lrs)
+    for (double lr : list)
+      if (!(lr > 0)) throw std::invalid_argument("learning rates must be > 0 (" + who + ")");
+  if (a.train.kfac.inverse != "eigen" && a.train.kfac.inverse != "cholesky")
+    throw std::invalid_argument("--inverse: expected eigen or cholesky");
   return a;
 }
 
-std::vector<nn::OptimizerKind> optimizers(const std::string& s) {
+/// \brief The learning rates to run `kind` with: its own list, else --lr, else its default.
+std::vector<double> learning_rates(const Args& a, nn::OptimizerKind kind) {
+  const auto own = a.lrs.find(nn::to_string(kind));
+  if (own != a.lrs.end()) return own->second;
+  const auto all = a.lrs.find("all");
+  if (all != a.lrs.end()) return all->second;
+  return {nn::default_lr(kind, a.train.model)};
+}
+
+std::vector<nn::OptimizerKind> optimizers(const std::string& s, bool lead) {
   if (s != "all") return {nn::parse_optimizer(s)};
   std::vector<nn::OptimizerKind> all{nn::OptimizerKind::sgd, nn::OptimizerKind::adam};
   if (KFAC_EXAMPLES_HAVE_KFAC) all.push_back(nn::OptimizerKind::kfac);
-  else std::printf("note: built without kfac; comparing sgd and adam only\n");
+  else if (lead) std::printf("note: built without kfac; comparing sgd and adam only\n");
   return all;
 }
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-demo::RunSummary train_one(const Args& args, nn::OptimizerKind kind, const nn::Dataset& train,
-                           const nn::Dataset& test, demo::CsvLog& log) {
-  nn::TrainSettings s = args.train;
-  s.optimizer = kind;
-  nn::Trainer trainer(train, s);
+/// \brief One run: an optimizer at one learning rate and seed. Only rank 0 evaluates, prints
+/// and logs; the other ranks wait for it at a barrier after each evaluation, so that no rank's
+/// step timer includes it.
+demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::World& world, const nn::Dataset& train,
+                           const nn::Dataset& test, demo::CsvLog* log) {
+  const bool lead = world.rank() == 0;
+  nn::Trainer trainer(train, s, world);
   const int steps = trainer.steps_per_epoch();
   // Default: 4 evaluations per epoch, evenly spaced, the last at its end.
   const int per_epoch = steps < 4 ? steps : 4;
@@ -154,25 +200,32 @@ demo::RunSummary train_one(const Args& args, nn::OptimizerKind kind, const nn::D
     return (i + 1) * per_epoch / steps != i * per_epoch / steps;
   };
   const long total_steps = long(steps) * args.epochs;
-  const std::string name = nn::to_string(kind);
+  const std::string name = nn::to_string(s.optimizer);
   const std::string schedule = args.eval_every > 0 ? "test every " + std::to_string(args.eval_every) + " steps"
                                                     : "test " + std::to_string(per_epoch) + " times per epoch";
-  std::printf("[%s] lr %g, %d steps/epoch of %d samples, %s\n", name.c_str(), trainer.lr(), steps,
-              trainer.batch_size(), schedule.c_str());
+  if (lead)
+    std::printf("[%s] lr %g, seed %llu, %d steps/epoch of %d samples%s, %s\n", name.c_str(), trainer.lr(),
+                (unsigned long long)s.seed, steps, trainer.batch_size(),
+                world.size() > 1 ? (" over " + std::to_string(world.size()) + " processes").c_str() : "",
+                schedule.c_str());
 
   demo::RunSummary run;
   run.optimizer = name;
+  run.lr = trainer.lr();
+  run.seed = s.seed;
+  run.steps_per_epoch = steps;
   demo::Progress progress;
   const Clock::time_point start = Clock::now();
   double train_s = 0.0, loss_since_eval = 0.0;
   long step = 0, steps_since_eval = 0;
 
   auto evaluate = [&](int epoch) {
-    const double acc = trainer.evaluate(test).accuracy();
+    const double acc = lead ? trainer.evaluate(test).accuracy() : std::numeric_limits<double>::quiet_NaN();
+    world.barrier();
     const double loss = steps_since_eval ? loss_since_eval / double(steps_since_eval)
                                          : std::numeric_limits<double>::quiet_NaN();
     run.evals.push_back({epoch, step, train_s, loss, acc});
-    log.row(name, s.seed, run.evals.back());
+    if (log) log->row(run, run.evals.back());
     loss_since_eval = 0.0;
     steps_since_eval = 0;
   };
@@ -196,7 +249,7 @@ demo::RunSummary train_one(const Args& args, nn::OptimizerKind kind, const nn::D
       run.train_cpu_s += double(std::clock() - cpu0) / CLOCKS_PER_SEC;
       ++step;
       if (!failure.empty()) {
-        progress.finish("[" + name + "] stopped at step " + std::to_string(step) + ": " + failure);
+        if (lead) progress.finish("[" + name + "] stopped at step " + std::to_string(step) + ": " + failure);
         run.stopped = true;
         break;
       }
@@ -204,6 +257,7 @@ demo::RunSummary train_one(const Args& args, nn::OptimizerKind kind, const nn::D
       loss_since_eval += b.mean_loss();
       ++steps_since_eval;
       if (eval_due(step, i)) evaluate(epoch);
+      if (!lead) continue;
 
       const double wall = seconds_since(start);
       const double eta = wall / double(step) * double(total_steps - step);
@@ -224,35 +278,97 @@ demo::RunSummary train_one(const Args& args, nn::OptimizerKind kind, const nn::D
   return run;
 }
 
-int run(const Args& args) {
+int run(const Args& args, const nn::World& world) {
+  const bool lead = world.rank() == 0;
   if (args.threads > 0) {
     if (openblas_set_num_threads) openblas_set_num_threads(args.threads);
-    else std::printf("note: --threads ignored (the BLAS in use is not OpenBLAS)\n");
+    else if (lead) std::printf("note: --threads ignored (the BLAS in use is not OpenBLAS)\n");
   }
-  const std::vector<nn::OptimizerKind> kinds = optimizers(args.optimizer);
-  mkdir(args.out.c_str(), 0777);  // an existing directory is fine; CsvLog reports real failures
+  const std::vector<nn::OptimizerKind> kinds = optimizers(args.optimizer, lead);
+  if (lead) mkdir(args.out.c_str(), 0777);  // an existing directory is fine; CsvLog reports real failures
 
   const nn::Dataset train = nn::load_fashion_mnist(args.data, "train", args.train_subset);
   const nn::Dataset test = nn::load_fashion_mnist(args.data, "t10k", args.test_subset);
-  std::printf("Fashion-MNIST: %d training and %d test images; model %s, batch %d, seed %llu\n", train.size(),
-              test.size(), args.train.model.c_str(), args.train.batch, (unsigned long long)args.train.seed);
-  std::printf("times count training steps only (test evaluations are excluded)\n");
+  if (lead) {
+    std::printf("Fashion-MNIST: %d training and %d test images; model %s, batch %d", train.size(), test.size(),
+                args.train.model.c_str(), args.train.batch);
+    if (world.size() > 1) std::printf(" (%d per process, %d processes)", args.train.batch / world.size(), world.size());
+    std::printf("\ntimes count training steps only (test evaluations are excluded)\n");
+  }
 
-  demo::CsvLog log(args.out + "/log.csv", args.append);
+  std::unique_ptr<demo::CsvLog> log;
+  if (lead) log = std::make_unique<demo::CsvLog>(args.out + "/log.csv", args.append);
   std::vector<demo::RunSummary> runs;
-  for (nn::OptimizerKind k : kinds) runs.push_back(train_one(args, k, train, test, log));
+  for (nn::OptimizerKind k : kinds)
+    for (double lr : learning_rates(args, k))
+      for (std::uint64_t seed : args.seeds) {
+        nn::TrainSettings s = args.train;
+        s.optimizer = k;
+        s.lr = lr;
+        s.seed = seed;
+        runs.push_back(train_one(args, s, world, train, test, log.get()));
+      }
+  if (!lead) return 0;
 
   demo::print_summary(runs, args.target_acc);
-  std::printf("log: %s\n", log.path().c_str());
-  demo::plot(args.out, log.path(), runs, args.train.seed,
+  std::printf("log: %s\n", log->path().c_str());
+  // The plot: each optimizer at its best learning rate (else its first), first seed.
+  const auto groups = demo::group_runs(runs);
+  std::vector<const demo::RunSummary*> shown;
+  for (nn::OptimizerKind k : kinds) {
+    const std::string name = nn::to_string(k);
+    const demo::Group* g = demo::best_group(groups, name, args.target_acc);
+    for (const auto& x : groups)
+      if (!g && x.optimizer == name) g = &x;
+    if (g) shown.push_back(g->runs.front());
+  }
+  demo::plot(args.out, log->path(), shown,
              "Fashion-MNIST " + args.train.model + ", batch " + std::to_string(args.train.batch) + ", seed " +
-                 std::to_string(args.train.seed));
+                 std::to_string(args.seeds.front()) + (world.size() > 1 ? ", " + std::to_string(world.size()) + " processes" : ""));
   return 0;
 }
+
+/// \brief MPI for the run's lifetime when launched by mpiexec (Open MPI or a PMI launcher set
+/// the environment); a plain start stays a single process without touching MPI.
+class MpiSession {
+ public:
+  MpiSession(int* argc, char*** argv) {
+#if KFAC_EXAMPLES_HAVE_MPI
+    const char* launched[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"};
+    for (const char* v : launched)
+      if (std::getenv(v)) active_ = true;
+    if (active_) MPI_Init(argc, argv);
+#else
+    (void)argc;
+    (void)argv;
+#endif
+  }
+  ~MpiSession() {
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (active_) MPI_Finalize();
+#endif
+  }
+  nn::World world() const {
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (active_) return nn::World(MPI_COMM_WORLD);
+#endif
+    return nn::World();
+  }
+  void abort() const {
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (active_) MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
+  }
+
+ private:
+  bool active_ = false;
+};
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  MpiSession mpi(&argc, &argv);
+  const nn::World world = mpi.world();
   // Kokkos sees only its own --kokkos-* options: it would also claim plain ones like --threads.
   std::vector<char*> kokkos_argv{argv[0]};
   std::vector<std::string> own;
@@ -264,15 +380,16 @@ int main(int argc, char** argv) {
   try {
     args = parse(own);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
+    if (world.rank() == 0) std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
     return 2;
   }
   int kokkos_argc = int(kokkos_argv.size());
   Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_argv.data());
   try {
-    return run(args);
+    return run(args, world);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
+    std::fprintf(stderr, "fashion_mnist (rank %d): %s\n", world.rank(), e.what());
+    if (world.size() > 1) mpi.abort();  // the other ranks may be waiting in a collective
     return 1;
   }
 }
