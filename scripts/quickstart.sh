@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds kfac's Fashion-MNIST example and runs the main job:
-# the MLP trained with SGD, Adam and K-FAC side by side, with a summary table and a plot.
-# Extra arguments go to the example (see examples/fashion_mnist/README or --help).
+# the MLP trained with SGD, Adam and K-FAC side by side (seeds 1-3, 8 epochs each, about 4 minutes
+# on 2 cores), with a summary table, a CSV log and a plot in results/.
+# Extra arguments go to the example (see docs/fashion_mnist.md or --help).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KFAC_BUILD_DIR:-$root/build}

@@ -61,11 +61,11 @@ V4 shard4(const V4& v, int rank, int ranks) {
   return out;
 }
 
-template <class Factor, class P>
+template <class Factor, class Inverse = kfac::Eigendecomposition<>, class P>
 void register_all(P& pre) {
-  pre.template register_layer<kfac::Dense, Factor>("fc1", kfac::Dense(5, 4));
-  pre.template register_layer<kfac::Dense, Factor>("fc2", kfac::Dense(4, 3));
-  pre.template register_layer<kfac::Conv2d, Factor>(
+  pre.template register_layer<kfac::Dense, Factor, Inverse>("fc1", kfac::Dense(5, 4));
+  pre.template register_layer<kfac::Dense, Factor, Inverse>("fc2", kfac::Dense(4, 3));
+  pre.template register_layer<kfac::Conv2d, Factor, Inverse>(
       "conv", kfac::Conv2d(2, 3, 3, 3).with_padding(1, 1));
   pre.template register_layer<kfac::BatchNorm2d>("bn", kfac::BatchNorm2d(3));
 }
@@ -125,15 +125,15 @@ double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
   return std::sqrt(num / den);
 }
 
-template <class Factor>
+template <class Factor, class Inverse = kfac::Eigendecomposition<>>
 void check_strategy(double fraction) {
   const int rank = world_rank(), size = world_size();
   kfac::Preconditioner<double, Host> single(options(1.0));
-  register_all<Factor>(single);
+  register_all<Factor, Inverse>(single);
   const auto expect = run(single, 0, 1, 5);
 
   kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(fraction), Host(), kfac::MpiComm(MPI_COMM_WORLD));
-  register_all<Factor>(dist);
+  register_all<Factor, Inverse>(dist);
   const auto got = run(dist, rank, size, 5);
   REQUIRE(got.size() == expect.size());
   INFO("rank " << rank << " of " << size << ", fraction " << fraction << ", relative difference " << rel_diff(got, expect));
@@ -149,6 +149,9 @@ TEST_CASE("distributed K-FAC equals the single-process result", "[mpi][distribut
   SECTION("COMM-OPT, full") { check_strategy<kfac::Full>(1.0); }
   SECTION("MEM-OPT, symmetric") { check_strategy<kfac::Symmetric>(1.0 / size); }
   SECTION("MEM-OPT, full") { check_strategy<kfac::Full>(1.0 / size); }
+  SECTION("COMM-OPT, Cholesky") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0); }
+  SECTION("MEM-OPT, Cholesky") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size); }
+  SECTION("COMM-OPT, Newton-Schulz") { check_strategy<kfac::Symmetric, kfac::NewtonSchulz>(1.0); }
   if (size % 2 == 0 && size > 2) {
     SECTION("HYBRID 0.5") { check_strategy<kfac::Symmetric>(0.5); }
   }

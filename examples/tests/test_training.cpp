@@ -74,7 +74,13 @@ TEST_CASE("K-FAC lowers the training loss faster than SGD", "[training][kfac]") 
   s.seed = 3;
   s.optimizer = nn::OptimizerKind::sgd;
   const auto sgd = losses(data, s, 2);
+  // The eigendecomposition settings (the CNN's): on this problem they reach about 1e-6. The
+  // MLP's damped Cholesky inverses (damping 0.3, kl_clip 1e-2), best on Fashion-MNIST, stay
+  // at 0.26 here, worse than SGD: damping each factor by sqrt(damping) flattens the
+  // preconditioner where these features' scales differ most (docs/fashion_mnist.md).
   s.optimizer = nn::OptimizerKind::kfac;
+  s.kfac = nn::default_kfac("cnn");
+  s.lr = nn::default_lr(nn::OptimizerKind::kfac, "cnn");
   const auto kfac = losses(data, s, 2);
   // Mean over the last 8 steps, to compare levels rather than one noisy batch.
   auto tail = [](const std::vector<double>& v) {
@@ -83,6 +89,6 @@ TEST_CASE("K-FAC lowers the training loss faster than SGD", "[training][kfac]") 
     return sum / 8;
   };
   INFO("sgd " << tail(sgd) << ", kfac " << tail(kfac));
-  CHECK(tail(kfac) < 0.5 * tail(sgd));  // measured: about 1e-5 against 0.06
+  CHECK(tail(kfac) < 0.5 * tail(sgd));  // measured: about 2e-6 against 0.06
 }
 #endif
