@@ -280,19 +280,24 @@ TEST_CASE("memory equals memory_report() of a real Preconditioner", "[cost_model
   }
 }
 
-TEST_CASE("MEM-OPT holds one copy of each decomposition; workspace stays on every rank", "[cost_model][memory]") {
+TEST_CASE("MEM-OPT holds one copy of each decomposition and of each intermediate product", "[cost_model][memory]") {
   const kfac::CostModel m(small_net());
   const auto one = m.predict(1, 1.0);
+  // The g x a intermediate product of fc1 (4 x 6), fc2 (3 x 5) and conv (3 x 19), in double:
+  // only the rank that preconditions a layer holds it; gradient in and out are on every rank.
+  const std::size_t work = (4 * 6 + 3 * 5 + 3 * 19) * 8;
   for (int world : {2, 3, 4}) {
     const auto p = m.predict(world, 1.0 / world);
     const auto comm = m.predict(world, 1.0);
-    std::size_t dec = 0;
+    std::size_t dec = 0, workspace = 0;
     for (const auto& r : p.ranks) {
       dec += r.decomposition_memory();
+      workspace += r.workspace_memory();
       CHECK(r.factor_memory() == one.ranks[0].factor_memory());
-      CHECK(r.workspace_memory() == one.ranks[0].workspace_memory());
+      CHECK(r.workspace_memory() <= one.ranks[0].workspace_memory());
     }
     CHECK(dec == one.ranks[0].decomposition_memory());
+    CHECK(workspace == std::size_t(world) * (one.ranks[0].workspace_memory() - work) + work);
     for (const auto& r : comm.ranks) CHECK(r.memory_bytes() == one.ranks[0].memory_bytes());
   }
 }

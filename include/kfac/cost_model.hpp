@@ -453,7 +453,7 @@ class CostModel {
     }
     if (skip) return r;  // a skipped Kronecker layer never allocates
     r.factor_bytes = (s.diagonal ? a + g : a * a + g * g) * sf;
-    r.workspace_bytes = (s.diagonal ? 2 : 3) * g * a * sd;  // x, out (+ work)
+    r.workspace_bytes = (s.diagonal || !worker ? 2 : 3) * g * a * sd;  // x, out (+ work where applied)
     if (s.decomposed_factors() > 0 && worker) {
       for (int which = 0; which < 2; ++which)
         for (std::size_t c : s.decomposition_buffer_counts(which)) r.decomposition_bytes += c * sd;

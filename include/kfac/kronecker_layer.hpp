@@ -219,6 +219,8 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
           impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
           KOKKOS_LAMBDA(int j, int i) { out(j, i) = x(j, i) / (D(g(i, 0)) * D(a(j, 0)) + d); });
     } else {
+      // Only gradient workers apply, so only they hold the intermediate product.
+      if (work_.extent(0) == 0) work_ = DMatrix("kfac::layer::work", na_, ng_);
       InversePolicy::apply(exec, *fg_, *fa_, x_, damping, reciprocal_, work_, out_);
     }
   }
@@ -255,9 +257,10 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   /// sizeof(Factor), (a + g) for Diagonal, 0 before the first factor update;
   /// decomposition_bytes the two factorizations in sizeof(Decomposition), i.e.
   /// (a^2 + a + g^2 + g) for Eigendecomposition and (a^2 + g^2) for explicit inverses, plus g a
-  /// for a precomputed reciprocal, 0 for Diagonal; workspace_bytes 3 g a sizeof(Decomposition)
-  /// (2 g a for Diagonal) once a gradient was preconditioned, plus the pending observation rows
-  /// (Layer::a_rows a + Layer::g_rows g) sizeof(Factor).
+  /// for a precomputed reciprocal, 0 for Diagonal; workspace_bytes 2 g a sizeof(Decomposition)
+  /// once a gradient was loaded (gradient in, preconditioned gradient out), plus g a for the
+  /// intermediate product once this process preconditioned it (gradient workers; not Diagonal),
+  /// plus the pending observation rows (Layer::a_rows a + Layer::g_rows g) sizeof(Factor).
   MemoryReport memory() const override {
     MemoryReport r{this->name(), kind(), 0, 0, 0};
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
@@ -303,7 +306,6 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     if (x_.extent(0) == 0) {
       x_ = DMatrix("kfac::layer::x", na_, ng_);
       out_ = DMatrix("kfac::layer::out", na_, ng_);
-      if (!diagonal) work_ = DMatrix("kfac::layer::work", na_, ng_);
     }
   }
 
