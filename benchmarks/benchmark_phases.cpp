@@ -334,7 +334,8 @@ void run_size(const Config& c, int n, std::vector<Row>& rows, std::vector<Check>
     layer.observe_output_grad(exec, gt, 1.0);
     exec.fence();
     t.lap();
-    layer.update_factors(exec, c.decay);
+    layer.update_statistics(exec, c.decay);
+    layer.clear_observations();
     exec.fence();
     t.lap();
     return t.take();
@@ -347,7 +348,7 @@ void run_size(const Config& c, int n, std::vector<Row>& rows, std::vector<Check>
   };
   auto lib_decomposition = [&] {
     Laps t;
-    layer.allocate_decomposition();  // allocates once; step() calls it the same way
+    layer.allocate_units();  // allocates once; step() calls it the same way
     layer.decompose(exec, 0, c.damping);
     exec.fence();
     t.lap();

@@ -91,7 +91,7 @@ inline std::string saved(const Pre& pre, bool with_decompositions = true) {
   return os.str();
 }
 
-/// Envelope layout (kfac/checkpoint.hpp): magic 8, version 4, body size 8, body, checksum 8.
+/// Envelope layout (kfac/checkpoint/format.hpp): magic 8, version 4, body size 8, body, checksum 8.
 constexpr std::size_t kHeader = 20, kTrailer = 8;
 
 /// `bytes` with the envelope's size and checksum rewritten to match the body between them, so

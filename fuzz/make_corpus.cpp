@@ -33,6 +33,7 @@ FirstLayer first_layer(const std::string& bytes) {
   std::size_t at = kFirstName;
   at += 4 + read<std::uint32_t>(bytes, at);  // name
   at += 4 + read<std::uint32_t>(bytes, at);  // signature
+  at += 32;                                  // the layer's schedule (version 2)
   at += 1;                                   // has factors
   const std::uint32_t buffers = read<std::uint32_t>(bytes, at);
   at += 4;
@@ -87,7 +88,7 @@ int main(int argc, char** argv) {
     std::string flipped = good;
     flipped[good.size() / 3] ^= 0x10;
     seeds["bad_checksum"] = flipped;
-    seeds["bad_version"] = patched(good, 8, std::uint32_t(2), false);
+    seeds["bad_version"] = patched(good, 8, std::uint32_t(3), false);
     seeds["bad_magic"] = "KFACCKPX" + good.substr(8);
     seeds["bad_huge_body_size"] = patched(good, 12, std::uint64_t(1) << 50, false);
 

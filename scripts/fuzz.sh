@@ -5,7 +5,8 @@
 # left in $KFAC_FUZZ_BUILD_DIR/artifacts (rerun it with: <build>/checkpoint_fuzzer <file>).
 #
 # Usage: scripts/fuzz.sh [seconds]      fuzz for `seconds` (default 60)
-#        scripts/fuzz.sh --make-corpus   rebuild fuzz/corpus from fuzz/make_corpus.cpp
+#        scripts/fuzz.sh --make-corpus   rebuild fuzz/corpus from fuzz/make_corpus.cpp, plus the
+#                                        v1 checkpoints of tests/fixtures/checkpoint_v1 as v1_*
 #   KFAC_FUZZ_BUILD_DIR    build folder (default: build-fuzz)
 #   KFAC_FUZZ_INCLUDE_DIR  kfac headers to fuzz (default: include; for trying a patch)
 #   CXX                    compiler (default: clang++-14, else clang++)
@@ -45,6 +46,11 @@ if [ "${1:-}" = "--make-corpus" ]; then
   rm -rf "$root/fuzz/corpus"
   mkdir -p "$root/fuzz/corpus"
   "$build/make_corpus" "$root/fuzz/corpus"
+  # Format-version-1 checkpoints written by commit 1859ea4 (tests/fixtures/make_v1_fixtures.cpp):
+  # today's code can no longer write them, so they are copied, not regenerated.
+  for f in "$root"/tests/fixtures/checkpoint_v1/*.kfacckpt; do
+    cp "$f" "$root/fuzz/corpus/v1_$(basename "$f" .kfacckpt)"
+  done
   exit 0
 fi
 

@@ -1,7 +1,7 @@
 #pragma once
 // A small network with one layer of every policy kind, for the cost-model tests: registered on a
 // Preconditioner and described as kfac::LayerShape from one list, plus one step's random data.
-#include <kfac/cost_model.hpp>
+#include <kfac/planning/cost_model.hpp>
 #include <kfac/kfac.hpp>
 #include <string>
 #include <vector>

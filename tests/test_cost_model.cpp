@@ -2,7 +2,7 @@
 // real single-process Preconditioner. Bytes against MpiComm::bytes_sent() at 1-4 ranks are in
 // test_mpi_cost_model.cpp.
 #include <catch2/catch.hpp>
-#include <kfac/cost_model.hpp>
+#include <kfac/planning/cost_model.hpp>
 #include <kfac/kfac.hpp>
 
 #include "cost_model_net.hpp"

@@ -4,7 +4,7 @@
 #include <mpi.h>
 
 #include <catch2/catch.hpp>
-#include <kfac/comm/mpi_comm.hpp>
+#include <kfac/distributed/mpi_comm.hpp>
 
 #include "cost_model_net.hpp"
 

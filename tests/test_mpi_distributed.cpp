@@ -6,7 +6,7 @@
 #include <cstring>
 #include <memory>
 #include <sstream>
-#include <kfac/comm/mpi_comm.hpp>
+#include <kfac/distributed/mpi_comm.hpp>
 #include <kfac/kfac.hpp>
 
 #include "reference.hpp"

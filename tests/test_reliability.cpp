@@ -241,10 +241,12 @@ TEST_CASE("checkpoints with impossible counters or NaN values are refused", "[ch
     std::memcpy(&b[b.size() - 8], &sum, 8);
     return b;
   };
-  // First layer record: name and signature strings, the factor flag, the buffer count, then the
-  // first buffer's scalar size and value count before its values.
+  // First layer record (format version 2): name and signature strings, the layer's schedule
+  // (4 x i64), the factor flag, the buffer count, then the first buffer's scalar size and value
+  // count before its values.
   auto u32 = [&](std::size_t at) { std::uint32_t v; std::memcpy(&v, &good[at], 4); return std::size_t(v); };
-  const std::size_t name = 20 + 56, sig = name + 4 + u32(name), first_value = sig + 4 + u32(sig) + 1 + 4 + 1 + 8;
+  const std::size_t name = 20 + 56, sig = name + 4 + u32(name),
+                    first_value = sig + 4 + u32(sig) + 32 + 1 + 4 + 1 + 8;
   const std::size_t after_factors = first_value + 8 * (6 + 1) * (6 + 1) + 1 + 8 + 8 * 5 * 5;  // A 7x7, G 5x5
   auto expect_refused = [&](const std::string& bytes, const std::string& what) {
     Pre target(options());

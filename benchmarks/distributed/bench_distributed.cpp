@@ -50,8 +50,8 @@
 #include <ctime>
 #include <fstream>
 #include <memory>
-#include <kfac/comm/mpi_comm.hpp>
-#include <kfac/cost_model.hpp>
+#include <kfac/distributed/mpi_comm.hpp>
+#include <kfac/planning/cost_model.hpp>
 #include <kfac/kfac.hpp>
 #include <random>
 #include <string>

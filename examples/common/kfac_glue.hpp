@@ -19,7 +19,7 @@
 #define KFAC_EXAMPLES_HAVE_KFAC 1
 #include <kfac/kfac.hpp>
 #if KFAC_EXAMPLES_HAVE_MPI
-#include <kfac/comm/mpi_comm.hpp>
+#include <kfac/distributed/mpi_comm.hpp>
 #endif
 #else
 #define KFAC_EXAMPLES_HAVE_KFAC 0

@@ -1,17 +1,20 @@
 #pragma once
 /// \file kfac.hpp
-/// \brief The one header users include.
+/// \brief The one header users include. (MPI: add kfac/distributed/mpi_comm.hpp; cost
+/// planning: kfac/planning/cost_model.hpp; adapters: kfac/adapters/*.hpp.)
 
 #include "kfac/config.hpp"
-#include "kfac/data_parallel.hpp"
+#include "kfac/core/options.hpp"
+#include "kfac/core/precision.hpp"
+#include "kfac/core/traits.hpp"
+#include "kfac/distributed/gradient_averager.hpp"
+#include "kfac/distributed/independent.hpp"
+#include "kfac/distributed/kaisa.hpp"
 #include "kfac/error.hpp"
-#include "kfac/factors/factor_policies.hpp"
-#include "kfac/inverse/cholesky.hpp"
-#include "kfac/inverse/eigendecomposition.hpp"
-#include "kfac/inverse/newton_schulz.hpp"
 #include "kfac/layers/batch_norm.hpp"
 #include "kfac/layers/conv2d.hpp"
 #include "kfac/layers/dense.hpp"
-#include "kfac/options.hpp"
-#include "kfac/precision.hpp"
+#include "kfac/methods/default_method.hpp"
+#include "kfac/methods/kfac/kfac_method.hpp"
+#include "kfac/methods/unit_wise/unit_wise_fisher.hpp"
 #include "kfac/preconditioner.hpp"

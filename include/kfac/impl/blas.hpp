@@ -130,7 +130,7 @@ void add_diagonal(const Exec& exec, const M& m, typename M::non_const_value_type
 /// One thread does the work, so it runs on any backend; it is the reference implementation.
 template <class Exec, class T>
 void jacobi_eigh(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exec>& q,
-                 const Vector<T, Exec>& w) {
+                 const Vector<T, Exec>& w, int max_sweeps = 60) {
   const int n = int(a.extent(0));
   Kokkos::View<int, typename Exec::memory_space> converged("kfac::jacobi::converged");
   Kokkos::parallel_for(
@@ -142,7 +142,7 @@ void jacobi_eigh(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exe
           for (int i = 0; i < n; ++i) norm2 += a(i, j) * a(i, j);
         const T eps = sizeof(T) == 4 ? T(1e-7) : T(1e-15);
         converged() = 0;
-        for (int sweep = 0; sweep < 60; ++sweep) {
+        for (int sweep = 0; sweep < max_sweeps; ++sweep) {
           T off = 0;
           for (int j = 1; j < n; ++j)
             for (int i = 0; i < j; ++i) off += a(i, j) * a(i, j);
@@ -187,13 +187,15 @@ void jacobi_eigh(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exe
       });
   auto h = Kokkos::create_mirror_view(converged);
   Kokkos::deep_copy(h, converged);
-  if (!h()) throw Error("", "Jacobi eigensolver did not converge in 60 sweeps");
+  if (!h())
+    throw Error("", "Jacobi eigensolver did not converge in " + std::to_string(max_sweeps) + " sweeps");
 }
 
 /// Symmetric eigendecomposition of the upper triangle of `f`: q (eigenvectors, columns) and
 /// w (ascending eigenvalues). `f` is left untouched.
 template <class Backend, class Exec, class F, class T>
-void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T, Exec>& w) {
+void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T, Exec>& w,
+          int jacobi_sweeps = 60) {
   const int n = int(f.extent(0));
 #if defined(KFAC_HAVE_LAPACK)
   if constexpr (use_lapack_v<Exec, Backend>) {
@@ -218,7 +220,7 @@ void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T
 #endif
   Matrix<T, Exec> work(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigh::work"), n, n);
   Kokkos::deep_copy(exec, work, q);
-  jacobi_eigh(exec, work, q, w);
+  jacobi_eigh(exec, work, q, w, jacobi_sweeps);
 }
 
 /// Inverse of the symmetric positive definite matrix given by the upper triangle of `f`, plus
@@ -287,7 +289,7 @@ void spd_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& i
 /// X <- X (2I - M X), started at X0 = I / ||M||_F. GEMM only, so it runs on any backend.
 template <class Exec, class F, class T>
 int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& x,
-                          int max_iterations = 100) {
+                          int max_iterations = 100, double tolerance = 0) {
   const int n = int(f.extent(0));
   Matrix<T, Exec> m("kfac::ns::m", n, n), t("kfac::ns::t", n, n), y("kfac::ns::y", n, n);
   symmetric_copy(exec, f, m);
@@ -302,7 +304,8 @@ int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T,
       "kfac::linalg::ns_init",
       ColumnMajorRange<Exec>(exec, {0, 0}, {n, n}),
       KOKKOS_LAMBDA(int i, int j) { x(i, j) = i == j ? inv_norm : T(0); });
-  const double tol = (sizeof(T) == 4 ? 1e-6 : 1e-14) * std::sqrt(double(n));
+  // 0 = the type's default: about 10 and 100 ulps of the residual's entries.
+  const double tol = (tolerance > 0 ? tolerance : sizeof(T) == 4 ? 1e-6 : 1e-14) * std::sqrt(double(n));
   double previous = 1e300;
   for (int it = 1; it <= max_iterations; ++it) {
     gemm(exec, "N", "N", T(1), m, x, T(0), t);  // t = M X

@@ -1,15 +1,16 @@
 #pragma once
-/// \file batch_norm_layer.hpp
-/// \brief BatchNorm scale-and-shift preconditioned with the unit-wise or diagonal Fisher.
+/// \file batch_norm_block.hpp
+/// \brief The block of a BatchNorm scale-and-shift, preconditioned with the unit-wise or
+/// diagonal Fisher: closed form, no decomposable units.
 
 #include <limits>
 #include <string>
 #include <vector>
 
-#include "kfac/factors/factor_policies.hpp"
-#include "kfac/impl/layer_base.hpp"
+#include "kfac/core/block.hpp"
+#include "kfac/core/precision.hpp"
 #include "kfac/layers/batch_norm.hpp"
-#include "kfac/precision.hpp"
+#include "kfac/methods/kfac/factors.hpp"
 
 namespace kfac {
 
@@ -19,7 +20,7 @@ namespace kfac {
 /// (3 stored values). kfac::UnitWise preconditions with \f$(F_c + \gamma I)^{-1}\f$ (2x2, closed
 /// form); kfac::Diagonal with \f$\mathrm{diag}(F_c) + \gamma\f$.
 template <class FactorPolicy, class Prec, class Scalar, class Exec>
-class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
+class BatchNormLayer final : public impl::Block<Scalar, Exec> {
   static_assert(std::is_same<FactorPolicy, UnitWise>::value ||
                     std::is_same<FactorPolicy, Diagonal>::value,
                 "BatchNorm2d takes the factor policy kfac::UnitWise or kfac::Diagonal");
@@ -28,7 +29,7 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
   using Stored = Kokkos::View<Scalar****, Kokkos::LayoutRight, typename Exec::memory_space>;
 
  public:
-  using base = impl::LayerBase<Scalar, Exec>;
+  using base = impl::Block<Scalar, Exec>;
   using typename base::grad_matrix;
   using typename base::grad_vector;
   using typename base::tensor_type;
@@ -112,19 +113,19 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     Kokkos::deep_copy(sums_, 0.0);
   }
 
-  std::vector<std::pair<std::size_t, std::size_t>> buffer_shapes(int part) const override {
-    if (part == 0) return {{std::size_t(3 * c_), sizeof(F)}};
-    return {};
+  std::vector<impl::BufferShape> checkpoint_shapes() const override {
+    return {{std::size_t(3 * c_), sizeof(F)}};
   }
-  void allocate_factors() override {
+  std::vector<impl::Buffer> checkpoint_state() override { return {impl::buffer_of(f_)}; }
+  void allocate_state() override {
     allocate_factor_storage();
     has_factors_ = true;
   }
-  void release_factors() override {
+  void release_state() override {
     f_ = decltype(f_)();
     has_factors_ = false;
   }
-  void update_factors(const Exec& exec, double decay) override {
+  void update_statistics(const Exec& exec, double decay) override {
     allocate_factor_storage();
     const double old_w = has_factors_ ? decay : 0.0, new_w = (has_factors_ ? 1.0 - decay : 1.0) / double(samples_);
     auto f = f_;
@@ -133,23 +134,11 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
         "kfac::bn::update", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>(exec, {0, 0}, {c_, 3}),
         KOKKOS_LAMBDA(int c, int k) { f(c, k) = F(old_w * double(f(c, k)) + new_w * sums(c, k)); });
     has_factors_ = true;
-    clear_observations();
   }
-  bool has_factors() const override { return has_factors_; }
-  std::vector<impl::FactorBuffer> factors() override {
+  bool has_statistics() const override { return has_factors_; }
+  std::vector<impl::FactorBuffer> averaged_state() override {
     return {{impl::buffer_of(f_), index_t(3 * c_), false, false}};
   }
-
-  // Closed-form inverse: no decomposition to compute or communicate.
-  void decompose(const Exec&, int, double) override {}
-  void finish_decomposition(const Exec&, double, bool) override { has_decomposition_ = true; }
-  bool has_decomposition() const override { return has_decomposition_; }
-  void invalidate_decomposition() override { has_decomposition_ = false; }
-  std::vector<impl::Buffer> decomposition_buffers(int) override { return {}; }
-  void allocate_decomposition() override {}
-  double decomposition_flops(int) const override { return 0.0; }
-  double decomposition_memory(int) const override { return 0.0; }
-  int decomposed_factors() const override { return 0; }
 
   void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
     ensure_workspace();
@@ -213,6 +202,15 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
     return r;
   }
 
+  MemoryReport planned_memory(bool, bool skipped, bool) const override {
+    const std::size_t c = std::size_t(c_);
+    MemoryReport r{this->name(), kind(), 0, 0, 3 * c * sizeof(double)};  // sums: at registration
+    if (skipped) return r;
+    r.factor_bytes = 3 * c * sizeof(F);
+    r.workspace_bytes += 4 * c * sizeof(D);  // (dgamma, dbeta) in and out
+    return r;
+  }
+
   /// (C x 3) running Fisher blocks: columns (gamma-gamma, gamma-beta, beta-beta).
   const Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>& fisher() const { return f_; }
 
@@ -235,7 +233,7 @@ class BatchNormLayer final : public impl::LayerBase<Scalar, Exec> {
   Kokkos::View<double**, Kokkos::LayoutLeft, typename Exec::memory_space> sums_;
   Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space> f_;
   Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space> x_, out_;
-  bool has_factors_ = false, has_decomposition_ = false;
+  bool has_factors_ = false;
 };
 
 }  // namespace kfac

@@ -8,9 +8,13 @@
 #include <utility>
 #include <vector>
 
-#include "kfac/assignment.hpp"
-#include "kfac/comm/comm_precision.hpp"
+#include "kfac/distributed/comm_precision.hpp"
 #include "kfac/error.hpp"
+
+namespace kfac {
+/// \brief The cost a greedy assignment balances.
+enum class AssignmentCost { compute, memory };
+}  // namespace kfac
 
 namespace kfac {
 
@@ -87,7 +91,8 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
 /// | CommPrecision | comm_precision | payload type of factor averaging | native |
 /// | NonFinitePolicy | nonfinite | raise at once, or skip the step on every rank | raise |
-/// | int | max_damping_retries | decomposition failures retried with damping x10 | 3 |
+/// | int | max_damping_retries | decomposition failures retried with more damping | 3 |
+/// | double | damping_retry_factor | damping multiplier of each retry (> 1) | 10 |
 struct Options {
   Hyperparameter<double> lr{0.1};
   Hyperparameter<double> damping{0.001};
@@ -105,6 +110,7 @@ struct Options {
   CommPrecision comm_precision = CommPrecision::native;
   NonFinitePolicy nonfinite = NonFinitePolicy::raise;
   int max_damping_retries = 3;
+  double damping_retry_factor = 10.0;
 
   Options& with_lr(Hyperparameter<double> v) { lr = std::move(v); return *this; }
   Options& with_damping(Hyperparameter<double> v) { damping = std::move(v); return *this; }
@@ -122,6 +128,11 @@ struct Options {
   Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
   Options& with_nonfinite_policy(NonFinitePolicy p) { nonfinite = p; return *this; }
   Options& with_max_damping_retries(int n) { max_damping_retries = n; return *this; }
+  Options& with_damping_retry_factor(double f) {
+    if (!(f > 1) || !std::isfinite(f)) throw Error("", "damping_retry_factor: expected a finite value > 1");
+    damping_retry_factor = f;
+    return *this;
+  }
 };
 
 /// \brief The hyperparameter values in force at one step, checked.

@@ -1,15 +1,15 @@
 #pragma once
-/// \file kronecker_layer.hpp
-/// \brief One Kronecker-factored layer, composed from a layer-type, factor, inversion and
-/// precision policy.
+/// \file kronecker_block.hpp
+/// \brief The K-FAC block of one Kronecker-factored layer, composed from a layer-type, factor,
+/// inversion and precision policy.
 
 #include <limits>
 #include <string>
 #include <vector>
 
-#include "kfac/factors/factor_policies.hpp"
-#include "kfac/impl/layer_base.hpp"
-#include "kfac/precision.hpp"
+#include "kfac/core/block.hpp"
+#include "kfac/core/precision.hpp"
+#include "kfac/methods/kfac/factors.hpp"
 
 namespace kfac {
 
@@ -23,7 +23,7 @@ namespace kfac {
 /// \tparam Exec the Kokkos execution space.
 template <class LayerType, class FactorPolicy, class InversePolicy, class Prec, class Scalar,
           class Exec>
-class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
+class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   static_assert(LayerType::is_kronecker, "KroneckerLayer needs a Kronecker layer type");
   using F = typename Prec::factor_type;
   using D = typename Prec::decomposition_type;
@@ -36,19 +36,23 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   static constexpr bool diagonal = FactorPolicy::is_diagonal;
 
  public:
-  using base = impl::LayerBase<Scalar, Exec>;
+  using base = impl::Block<Scalar, Exec>;
+  using inversion_type = InversePolicy;
   using typename base::grad_matrix;
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  KroneckerLayer(std::string name, const LayerType& layer)
-      : base(std::move(name)), layer_(layer), na_(layer.a_dim()), ng_(layer.g_dim()) {}
+  KroneckerLayer(std::string name, const LayerType& layer, InversePolicy inversion = InversePolicy{})
+      : base(std::move(name)), layer_(layer), inversion_(std::move(inversion)), na_(layer.a_dim()),
+        ng_(layer.g_dim()) {}
 
   const LayerType& layer() const { return layer_; }
   const char* kind() const override { return LayerType::kind; }
   std::string signature() const override {
+    const std::string settings = diagonal ? "" : inversion_.settings();
     return layer_.describe() + "/" + FactorPolicy::name + "/" +
-           (diagonal ? "closed_form" : InversePolicy::name) + "/f" + std::to_string(sizeof(F)) +
+           (diagonal ? "closed_form" : InversePolicy::name) +
+           (settings.empty() ? "" : "[" + settings + "]") + "/f" + std::to_string(sizeof(F)) +
            "d" + std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
   }
   index_t weight_rows() const override { return layer_.weight_rows(); }
@@ -118,33 +122,31 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     a_samples_ = g_samples_ = 0;
   }
 
-  std::vector<std::pair<std::size_t, std::size_t>> buffer_shapes(int part) const override {
+  std::vector<impl::BufferShape> checkpoint_shapes() const override {
     const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
-    if (part == 0) return {{diagonal ? a : a * a, sizeof(F)}, {diagonal ? g : g * g, sizeof(F)}};
-    if constexpr (diagonal) return {};
-    std::vector<std::pair<std::size_t, std::size_t>> r;
-    for (std::size_t c : Fact::counts(part == 1 ? na_ : ng_)) r.push_back({c, sizeof(D)});
-    return r;
+    return {{diagonal ? a : a * a, sizeof(F)}, {diagonal ? g : g * g, sizeof(F)}};
   }
-  void allocate_factors() override {
+  std::vector<impl::Buffer> checkpoint_state() override {
+    return {impl::buffer_of(a_), impl::buffer_of(g_)};
+  }
+  void allocate_state() override {
     allocate_factor_storage();
     has_factors_ = true;
   }
-  void release_factors() override {
+  void release_state() override {
     a_ = FMatrix();
     g_ = FMatrix();
     has_factors_ = false;
   }
-  void update_factors(const Exec& exec, double decay) override {
+  void update_statistics(const Exec& exec, double decay) override {
     allocate_factor_storage();
     accumulate(exec, a_rows_, a_norm_, decay, a_);
     accumulate(exec, g_rows_, g_norm_, decay, g_);
     has_factors_ = true;
-    clear_observations();
   }
-  bool has_factors() const override { return has_factors_; }
+  bool has_statistics() const override { return has_factors_; }
 
-  std::vector<impl::FactorBuffer> factors() override {
+  std::vector<impl::FactorBuffer> averaged_state() override {
     if constexpr (diagonal)
       return {{impl::buffer_of(a_), na_, false, false}, {impl::buffer_of(g_), ng_, false, false}};
     else
@@ -152,15 +154,38 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
               {impl::buffer_of(g_), ng_, true, FactorPolicy::packed}};
   }
 
-  void allocate_decomposition() override {
+  /// Unit 0 is A, unit 1 is G.
+  int units() const override { return diagonal ? 0 : 2; }
+  impl::UnitCost unit_cost(int u) const override {
+    if constexpr (diagonal) {
+      (void)u;
+      return {};
+    } else {
+      return InversePolicy::cost(u == 0 ? na_ : ng_);
+    }
+  }
+  std::vector<impl::BufferShape> unit_shapes(int u) const override {
+    std::vector<impl::BufferShape> r;
+    if constexpr (!diagonal)
+      for (std::size_t c : InversePolicy::counts(u == 0 ? na_ : ng_)) r.push_back({c, sizeof(D)});
+    (void)u;
+    return r;
+  }
+  void allocate_units() override {
     if constexpr (!diagonal)
       if (!fa_) { fa_ = std::make_unique<Fact>(na_); fg_ = std::make_unique<Fact>(ng_); }
   }
+  void release_units() override {
+    fa_.reset();
+    fg_.reset();
+    reciprocal_ = DMatrix();
+    work_ = DMatrix();
+  }
   void decompose(const Exec& exec, int which, double damping) override {
-    has_decomposition_ = false;
     if constexpr (!diagonal) {
-      allocate_decomposition();
-      if (which == 0) fa_->compute(exec, a_, damping); else fg_->compute(exec, g_, damping);
+      allocate_units();
+      if (which == 0) fa_->compute(exec, a_, damping, inversion_);
+      else fg_->compute(exec, g_, damping, inversion_);
     } else {
       (void)exec; (void)which; (void)damping;
     }
@@ -176,27 +201,16 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     } else {
       (void)exec; (void)damping; (void)precompute;
     }
-    has_decomposition_ = true;
   }
-  bool has_decomposition() const override { return has_decomposition_; }
-  void invalidate_decomposition() override { has_decomposition_ = false; }
-  std::vector<impl::Buffer> decomposition_buffers(int which) override {
+  std::vector<impl::Buffer> unit_buffers(int which) override {
     if constexpr (diagonal) {
       (void)which;
       return {};
     } else {
+      allocate_units();
       return (which == 0 ? fa_ : fg_)->buffers();
     }
   }
-  double decomposition_flops(int which) const override {
-    const double n = which == 0 ? na_ : ng_;
-    return diagonal ? 0.0 : n * n * n;
-  }
-  double decomposition_memory(int which) const override {
-    const double n = which == 0 ? na_ : ng_;
-    return diagonal ? 0.0 : n * n;
-  }
-  int decomposed_factors() const override { return diagonal ? 0 : 2; }
 
   void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
     ensure_workspace();
@@ -272,6 +286,20 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     return r;
   }
 
+  MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const override {
+    MemoryReport r{this->name(), kind(), 0, 0, 0};
+    if (skipped) return r;  // a skipped Kronecker layer never allocates
+    const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
+    r.factor_bytes = (diagonal ? a + g : a * a + g * g) * sizeof(F);
+    r.workspace_bytes = (diagonal || !holder ? 2 : 3) * g * a * sizeof(D);  // x, out (+ work)
+    if (!diagonal && holder) {
+      for (int u = 0; u < units(); ++u)
+        for (const auto& [count, size] : unit_shapes(u)) r.decomposition_bytes += count * size;
+      if (InversePolicy::damping_at_apply && precompute) r.decomposition_bytes += g * a * sizeof(D);
+    }
+    return r;
+  }
+
   // ---- read access for tests, distribution and checkpoints
   /// Factor A: (a_dim x a_dim) with the upper triangle valid (the whole matrix for Full), or
   /// (a_dim x 1) for Diagonal.
@@ -288,6 +316,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
     return p;
   }
   const Fact* decomposition_a() const { return fa_.get(); }
+  const InversePolicy& inversion() const { return inversion_; }
   const Fact* decomposition_g() const { return fg_.get(); }
 
  private:
@@ -339,6 +368,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   }
 
   LayerType layer_;
+  InversePolicy inversion_;
   index_t na_, ng_;
   impl::Extents last_input_{0, 0, 0, 0};
   std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
@@ -347,7 +377,7 @@ class KroneckerLayer final : public impl::LayerBase<Scalar, Exec> {
   double a_trace_ = 0, g_trace_ = 0;  // sums of squares of the pending rows, in double
   long a_samples_ = 0, g_samples_ = 0;
   FMatrix a_, g_;
-  bool has_factors_ = false, has_decomposition_ = false;
+  bool has_factors_ = false;
   std::unique_ptr<Fact> fa_, fg_;
   DMatrix reciprocal_, x_, work_, out_;
 };

@@ -1,5 +1,5 @@
 #pragma once
-/// \file assignment.hpp
+/// \file work_assignment.hpp
 /// \brief KAISA work assignment (Pauloski et al. 2022): who decomposes which factor, who
 /// preconditions which layer, who receives preconditioned gradients.
 ///
@@ -19,21 +19,21 @@
 #include <string>
 #include <vector>
 
+#include "kfac/core/options.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
 
-/// \brief The cost a greedy assignment balances.
-enum class AssignmentCost { compute, memory };
 
 class WorkAssignment {
  public:
   WorkAssignment() = default;
   /// \param world [in] number of ranks.
   /// \param fraction [in] gradient-worker fraction f in [1/world, 1].
-  /// \param costs [in] per layer, the cost of decomposing A and G ({0, 0} for closed-form layers).
-  /// \param colocate [in] decompose a layer's A and G on the same rank.
-  WorkAssignment(int world, double fraction, const std::vector<std::pair<double, double>>& costs,
+  /// \param costs [in] per layer, the cost of each of its decomposable units (K-FAC: A, G;
+  ///        none for closed-form and skipped layers).
+  /// \param colocate [in] decompose all units of a layer on the same rank.
+  WorkAssignment(int world, double fraction, const std::vector<std::vector<double>>& costs,
                  bool colocate)
       : world_(world) {
     if (!(fraction >= 1.0 / world - 1e-12 && fraction <= 1.0 + 1e-12))
@@ -47,12 +47,12 @@ class WorkAssignment {
     const int groups = world / gw_;
     const std::size_t n = costs.size();
     group_.assign(n, 0);
-    decomposer_.assign(n, {0, 0});
+    decomposer_.assign(n, {});
+    auto total = [&](std::size_t l) { return std::accumulate(costs[l].begin(), costs[l].end(), 0.0); };
     std::vector<std::size_t> order(n);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-      return costs[a].first + costs[a].second > costs[b].first + costs[b].second;
-    });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return total(a) > total(b); });
     std::vector<double> group_load(std::size_t(groups), 0.0), rank_load(std::size_t(world), 0.0);
     auto least = [](const std::vector<double>& v, std::size_t lo, std::size_t hi) {
       std::size_t best = lo;
@@ -61,38 +61,48 @@ class WorkAssignment {
       return best;
     };
     for (std::size_t l : order) {
-      const double c = costs[l].first + costs[l].second;
+      const double c = total(l);
       const std::size_t k = least(group_load, 0, group_load.size());
       group_[l] = int(k);
       group_load[k] += c;
       const std::size_t lo = k * std::size_t(gw_), hi = lo + std::size_t(gw_);
+      auto& d = decomposer_[l];
+      d.assign(costs[l].size(), int(lo));
+      if (costs[l].empty()) continue;
       if (colocate) {
         const std::size_t r = least(rank_load, lo, hi);
-        decomposer_[l] = {int(r), int(r)};
+        std::fill(d.begin(), d.end(), int(r));
         rank_load[r] += c;
-      } else {
-        // larger factor first
-        const bool a_first = costs[l].first >= costs[l].second;
-        const double first = a_first ? costs[l].first : costs[l].second;
-        const double second = a_first ? costs[l].second : costs[l].first;
-        const std::size_t r1 = least(rank_load, lo, hi);
-        rank_load[r1] += first;
-        const std::size_t r2 = least(rank_load, lo, hi);
-        rank_load[r2] += second;
-        decomposer_[l] = a_first ? std::pair<int, int>{int(r1), int(r2)}
-                                 : std::pair<int, int>{int(r2), int(r1)};
+        continue;
+      }
+      // larger unit first, each to the least loaded rank of the group
+      std::vector<std::size_t> units(costs[l].size());
+      std::iota(units.begin(), units.end(), 0);
+      std::stable_sort(units.begin(), units.end(),
+                       [&](std::size_t a, std::size_t b) { return costs[l][a] > costs[l][b]; });
+      for (std::size_t u : units) {
+        const std::size_t r = least(rank_load, lo, hi);
+        rank_load[r] += costs[l][u];
+        d[u] = int(r);
       }
     }
     rank_load_ = rank_load;
   }
 
+  /// Two units (A, G) per layer, as costs pairs.
+  WorkAssignment(int world, double fraction, const std::vector<std::pair<double, double>>& costs,
+                 bool colocate)
+      : WorkAssignment(world, fraction, pairs_to_units(costs), colocate) {}
+
   int world() const { return world_; }
   int grad_workers() const { return gw_; }
   /// Worker group (0 .. W/gw - 1) that owns layer l.
   int worker_group(std::size_t l) const { return group_.at(l); }
-  /// Rank that decomposes factor `which` (0 = A, 1 = G) of layer l.
+  /// Rank that decomposes unit `which` of layer l (K-FAC: 0 = A, 1 = G); -1 when the layer has
+  /// no such unit (closed forms, skipped layers).
   int decomposer(std::size_t l, int which) const {
-    return which == 0 ? decomposer_.at(l).first : decomposer_.at(l).second;
+    const auto& d = decomposer_.at(l);
+    return which >= 0 && std::size_t(which) < d.size() ? d[std::size_t(which)] : -1;
   }
   bool is_grad_worker(std::size_t l, int rank) const { return rank / gw_ == group_.at(l); }
   /// Worker group and receiver group a rank belongs to.
@@ -102,9 +112,14 @@ class WorkAssignment {
   const std::vector<double>& rank_load() const { return rank_load_; }
 
  private:
+  static std::vector<std::vector<double>> pairs_to_units(const std::vector<std::pair<double, double>>& c) {
+    std::vector<std::vector<double>> u;
+    for (const auto& p : c) u.push_back({p.first, p.second});
+    return u;
+  }
   int world_ = 1, gw_ = 1;
   std::vector<int> group_;
-  std::vector<std::pair<int, int>> decomposer_;
+  std::vector<std::vector<int>> decomposer_;
   std::vector<double> rank_load_;
 };
 

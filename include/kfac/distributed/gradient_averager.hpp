@@ -1,14 +1,15 @@
 #pragma once
-/// \file data_parallel.hpp
+/// \file gradient_averager.hpp
 /// \brief Data-parallel gradient averaging for codes without a framework's DDP.
 
 #include <Kokkos_Core.hpp>
 #include <cstring>
 #include <vector>
 
-#include "kfac/comm/comm_precision.hpp"
+#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/distributed/bucketing.hpp"
 #include "kfac/error.hpp"
-#include "kfac/impl/layer_base.hpp"
+#include "kfac/core/block.hpp"
 
 namespace kfac {
 
@@ -50,37 +51,32 @@ class GradientAverager {
  private:
   template <class T>
   void average_typed() {
-    const std::size_t limit = std::max<std::size_t>(1, bucket_bytes_ / sizeof(T));
+    std::vector<impl::Buffer> mine;
+    std::vector<std::size_t> counts;
+    for (const auto& b : buffers_)
+      if (b.scalar_size == sizeof(T)) {
+        mine.push_back(b);
+        counts.push_back(b.count);
+      }
+    // A view larger than a bucket travels in pieces of its own.
+    const auto buckets = impl::plan_buckets(counts, bucket_bytes_ / sizeof(T), true);
     std::vector<T> bucket;
-    std::vector<impl::Buffer> members;
-    auto flush = [&] {
-      if (members.empty()) return;
+    const T inv = T(1) / T(comm_.size());
+    for (const auto& pieces : buckets) {
+      bucket.clear();
+      for (const auto& p : pieces) {
+        const T* src = static_cast<const T*>(mine[p.item].data) + p.start;
+        bucket.insert(bucket.end(), src, src + p.count);
+      }
       comm_.sum(bucket.data(), bucket.size(), sizeof(T), CommPrecision::native);
       ++collectives_;
-      const T inv = T(1) / T(comm_.size());
       std::size_t off = 0;
-      for (auto& m : members) {
-        T* d = static_cast<T*>(m.data);
-        for (std::size_t i = 0; i < m.count; ++i) d[i] = bucket[off + i] * inv;
-        off += m.count;
-      }
-      bucket.clear();
-      members.clear();
-    };
-    for (const auto& b : buffers_) {
-      if (b.scalar_size != sizeof(T)) continue;
-      // A view larger than a bucket travels in pieces of its own.
-      for (std::size_t start = 0; start < b.count;) {
-        const std::size_t room = limit - bucket.size();
-        const std::size_t take = std::min(room, b.count - start);
-        const T* src = static_cast<const T*>(b.data) + start;
-        bucket.insert(bucket.end(), src, src + take);
-        members.push_back(impl::Buffer{static_cast<T*>(b.data) + start, take, sizeof(T)});
-        start += take;
-        if (bucket.size() == limit) flush();
+      for (const auto& p : pieces) {
+        T* d = static_cast<T*>(mine[p.item].data) + p.start;
+        for (std::size_t i = 0; i < p.count; ++i) d[i] = bucket[off + i] * inv;
+        off += p.count;
       }
     }
-    flush();
   }
 
   Comm comm_;

@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "kfac/impl/blas.hpp"
-#include "kfac/impl/layer_base.hpp"
+#include "kfac/core/block.hpp"
 
 namespace kfac {
 
@@ -21,7 +21,6 @@ struct ExplicitInverse {
   explicit ExplicitInverse(index_t n = 0)
       : inv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::inverse"), n, n) {}
   std::size_t bytes() const { return inv.size() * sizeof(T); }
-  static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
   std::vector<Buffer> buffers() const { return {buffer_of(inv)}; }
 };
 
@@ -35,16 +34,22 @@ void apply_explicit_inverses(const Exec& exec, const Matrix<T, Exec>& inv_a,
 }  // namespace impl
 
 /// \tparam Backend AutoBackend (LAPACK potrf/potri on the host) or PortableBackend.
+/// No settings of its own.
 template <class Backend = AutoBackend>
 struct Cholesky {
   static constexpr const char* name = "cholesky";
   static constexpr bool damping_at_apply = false;
+  using backend_type = Backend;
+  std::string settings() const { return ""; }
+  /// Buffers of one factorization of an n x n factor: the damped inverse.
+  static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
+  static impl::UnitCost cost(index_t n) { return {double(n) * n * n, double(n) * n}; }
 
   template <class T, class Exec>
   struct Factorization : impl::ExplicitInverse<T, Exec> {
     using impl::ExplicitInverse<T, Exec>::ExplicitInverse;
     template <class F>
-    void compute(const Exec& exec, const F& factor, double damping) {
+    void compute(const Exec& exec, const F& factor, double damping, const Cholesky&) {
       impl::spd_inverse<Backend>(exec, factor, T(std::sqrt(damping)), this->inv);
     }
   };

@@ -11,15 +11,34 @@
 /// \f$1/(\lambda_G \lambda_A^T + \gamma)\f$ is precomputed (Options::precompute_reciprocal).
 
 #include "kfac/impl/blas.hpp"
-#include "kfac/impl/layer_base.hpp"
+#include "kfac/core/block.hpp"
 
 namespace kfac {
 
 /// \tparam Backend AutoBackend (LAPACK syevd on the host, cuSOLVER on CUDA) or PortableBackend.
+///
+/// | type | name | description | default |
+/// |---|---|---|---|
+/// | int | jacobi_sweeps | sweep limit of the portable Jacobi eigensolver (PortableBackend, or a backend without a vendor solver) | 60 |
 template <class Backend = AutoBackend>
 struct Eigendecomposition {
   static constexpr const char* name = "eigen";
   static constexpr bool damping_at_apply = true;
+  using backend_type = Backend;
+
+  int jacobi_sweeps = 60;
+  Eigendecomposition& with_jacobi_sweeps(int n) {
+    if (n < 1) throw Error("", "Eigendecomposition: expected jacobi_sweeps >= 1");
+    jacobi_sweeps = n;
+    return *this;
+  }
+  /// Settings that differ from the defaults, for the layer's signature ("" at the defaults, so
+  /// signatures, and checkpoints, of default-built policies stay those of kfac 0.1).
+  std::string settings() const { return jacobi_sweeps == 60 ? "" : "sweeps=" + std::to_string(jacobi_sweeps); }
+  /// Buffers of one factorization of an n x n factor: Q and lambda.
+  static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n, std::size_t(n)}; }
+  /// Relative cost of one decomposition of an n x n factor, and of what it stores.
+  static impl::UnitCost cost(index_t n) { return {double(n) * n * n, double(n) * n}; }
 
   template <class T, class Exec>
   struct Factorization {
@@ -30,12 +49,12 @@ struct Eigendecomposition {
         : q(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::q"), n, n),
           lambda("kfac::eigen::lambda", n) {}
     std::size_t bytes() const { return (q.size() + lambda.size()) * sizeof(T); }
-    static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n, std::size_t(n)}; }
     std::vector<impl::Buffer> buffers() const { return {impl::buffer_of(q), impl::buffer_of(lambda)}; }
 
     template <class F>
-    void compute(const Exec& exec, const F& factor, double /*damping*/) {
-      impl::eigh<Backend>(exec, factor, q, lambda);
+    void compute(const Exec& exec, const F& factor, double /*damping*/,
+                 const Eigendecomposition& settings) {
+      impl::eigh<Backend>(exec, factor, q, lambda, settings.jacobi_sweeps);
       auto l = lambda;
       Kokkos::parallel_for(
           "kfac::eigen::clamp", Kokkos::RangePolicy<Exec>(exec, 0, int(l.extent(0))),

@@ -7,6 +7,10 @@
 /// rank receives the same bits (an allreduce may round differently on different ranks).
 /// Buffers are host pointers; device buffers are staged through the host by the Preconditioner
 /// unless `cuda_aware` is set, in which case device pointers are passed to MPI directly.
+///
+/// Copies share one duplicated communicator (and byte counter). Sub-communicators are
+/// MpiComm::Group objects that free themselves: each distribution policy owns its own, so any
+/// number of preconditioners may share one MpiComm.
 
 #include <mpi.h>
 
@@ -16,7 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "kfac/comm/comm_precision.hpp"
+#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/hash.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
@@ -38,11 +43,6 @@ inline void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   auto* a = static_cast<std::uint16_t*>(in);
   auto* b = static_cast<std::uint16_t*>(inout);
   for (int i = 0; i < *len; ++i) b[i] = to_bf16(from_bf16(a[i]) + from_bf16(b[i]));
-}
-inline std::uint64_t fnv1a(const std::string& s) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) { h ^= c; h *= 1099511628211ull; }
-  return h;
 }
 }  // namespace impl
 
@@ -107,28 +107,45 @@ class MpiComm {
     }
   }
 
-  /// Broadcasts raw bytes from `root` within the sub-communicator `group` (a rank list; the
-  /// communicator for each distinct list is created once, collectively, by make_group).
-  void broadcast(void* data, std::size_t bytes, int root_index, int group) const {
-    MPI_Comm c = group < 0 ? state_->comm : state_->groups.at(std::size_t(group));
-    int gsize = 1;
-    MPI_Comm_size(c, &gsize);
-    if (gsize == 1 || bytes == 0) return;
-    int grank = 0;
-    MPI_Comm_rank(c, &grank);
-    if (grank == root_index) state_->bytes += bytes;
-    check(MPI_Bcast(data, int(bytes), MPI_BYTE, root_index, c), "MPI_Bcast");
-  }
-  /// Collective: splits the communicator by `color` (rank order kept); returns the group id.
-  int make_group(int color) {
+  /// \brief A sub-communicator; frees itself (move-only).
+  class Group {
+   public:
+    Group() = default;
+    explicit Group(MPI_Comm c) : comm_(c) {}
+    Group(Group&& o) noexcept : comm_(o.comm_) { o.comm_ = MPI_COMM_NULL; }
+    Group& operator=(Group&& o) noexcept {
+      if (this != &o) { release(); comm_ = o.comm_; o.comm_ = MPI_COMM_NULL; }
+      return *this;
+    }
+    Group(const Group&) = delete;
+    Group& operator=(const Group&) = delete;
+    ~Group() { release(); }
+    MPI_Comm comm() const { return comm_; }
+
+   private:
+    void release() {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
+      comm_ = MPI_COMM_NULL;
+    }
+    MPI_Comm comm_ = MPI_COMM_NULL;
+  };
+  using group_type = Group;
+
+  /// Collective: the ranks that pass the same `color` form one group (rank order kept).
+  Group split(int color) const {
     MPI_Comm c;
     check(MPI_Comm_split(state_->comm, color, rank(), &c), "MPI_Comm_split");
-    state_->groups.push_back(c);
-    return int(state_->groups.size()) - 1;
+    return Group(c);
   }
-  void free_groups() {
-    for (auto& c : state_->groups) MPI_Comm_free(&c);
-    state_->groups.clear();
+  /// Broadcasts raw bytes from group rank `root_index` within `group`.
+  void broadcast(void* data, std::size_t bytes, int root_index, const Group& group) const {
+    bcast(data, bytes, root_index, group.comm());
+  }
+  /// Broadcasts raw bytes from `root` to every rank.
+  void broadcast(void* data, std::size_t bytes, int root) const {
+    bcast(data, bytes, root, state_->comm);
   }
 
  private:
@@ -146,7 +163,6 @@ class MpiComm {
       int finalized = 0;
       MPI_Finalized(&finalized);
       if (finalized) return;
-      for (auto& c : groups) MPI_Comm_free(&c);
       MPI_Op_free(&bf16_op);
       MPI_Comm_free(&comm);
     }
@@ -154,10 +170,18 @@ class MpiComm {
     MPI_Op bf16_op = MPI_OP_NULL;
     int rank = 0, size = 1;
     std::size_t bytes = 0;
-    std::vector<MPI_Comm> groups;
   };
   static void check(int rc, const char* what) {
     if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
+  }
+  void bcast(void* data, std::size_t bytes, int root_index, MPI_Comm c) const {
+    int gsize = 1;
+    MPI_Comm_size(c, &gsize);
+    if (gsize == 1 || bytes == 0) return;
+    int grank = 0;
+    MPI_Comm_rank(c, &grank);
+    if (grank == root_index) state_->bytes += bytes;
+    check(MPI_Bcast(data, int(bytes), MPI_BYTE, root_index, c), "MPI_Bcast");
   }
   void reduce_bcast(void* data, int count, MPI_Datatype t, MPI_Op op, std::size_t bytes) const {
     state_->bytes += 2 * bytes;  // one reduce contribution, one broadcast share

@@ -1,7 +1,9 @@
 #pragma once
-// The type-erased per-layer interface the Preconditioner holds. Virtual calls happen on the
-// host only, once per layer and phase; every kernel inside is a template instantiation.
+/// \file block.hpp
+/// \brief The per-layer block interface every method implements, and the buffer views that
+/// distribution and checkpoints work on.
 #include <cstddef>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -42,76 +44,105 @@ struct FactorBuffer {
   }
 };
 
+/// (value count, scalar size) of one state buffer, known before it is allocated.
+using BufferShape = std::pair<std::size_t, std::size_t>;
+
+/// What one decomposable unit (K-FAC: factor A or G) costs: the greedy work assignment
+/// balances `flops` (AssignmentCost::compute) or `memory` (AssignmentCost::memory), in the
+/// relative units n^3 and n^2.
+struct UnitCost {
+  double flops = 0;
+  double memory = 0;
+};
+
+/// \brief The per-layer unit a Preconditioner holds: one registered layer under one method.
+///
+/// Contract (every method's block implements all of it; none needs stubs):
+/// - identity: name, kind (matched by Options::skip_layers), signature (layer type, shape,
+///   method and precision; equal on every rank that registered the same layer), gradient shape;
+/// - observations: checks that return why an observation is refused (empty when valid), then
+///   observe_*; pending observations become statistics only in update_statistics(), and stay
+///   pending until clear_observations(), so a step that fails can be retried;
+/// - state: averaged_state() is what the replica group averages after each statistics update
+///   (K-FAC: the running factors); checkpoint_state() is what a checkpoint must hold to resume
+///   (everything averaged, plus state that must never be averaged, e.g. a method's private
+///   subspaces). Both are views of the block's own buffers;
+/// - decomposable units (units(), K-FAC: A and G; closed forms: none): each is computed on one
+///   rank, shared as unit_buffers(u), and finish_decomposition() runs once all are in place;
+/// - preconditioning: load_gradient, apply, inner_product (for KL clipping), preconditioned()
+///   (the buffer shared with gradient receivers), write_back.
+/// Virtual calls happen on the host, once per layer and phase; the kernels inside are templates.
 template <class Scalar, class Exec>
-class LayerBase {
+class Block {
  public:
   using tensor_type = Tensor4<Scalar, Exec>;
   using grad_matrix = GradMatrix<Scalar, Exec>;
   using grad_vector = GradVector<Scalar, Exec>;
 
-  explicit LayerBase(std::string name) : name_(std::move(name)) {}
-  virtual ~LayerBase() = default;
-  LayerBase(const LayerBase&) = delete;
-  LayerBase& operator=(const LayerBase&) = delete;
+  explicit Block(std::string name) : name_(std::move(name)) {}
+  virtual ~Block() = default;
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
 
   const std::string& name() const { return name_; }
   virtual const char* kind() const = 0;
-  /// Layer type, shape and policies, identical on every rank that registered the same layer.
   virtual std::string signature() const = 0;
   virtual index_t weight_rows() const = 0;
   virtual index_t weight_cols() const = 0;
   virtual bool has_bias() const = 0;
 
-  /// Empty when valid, otherwise what was expected.
   virtual std::string check_input(const Extents& e) const = 0;
   virtual std::string check_output_grad(const Extents& e) const = 0;
   virtual void observe_input(const Exec& exec, const tensor_type& x) = 0;
   virtual void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) = 0;
-  /// Empty when the pending observations can form a factor update, otherwise why not.
+  /// Empty when the pending observations can form a statistics update, otherwise why not.
   virtual std::string observations_problem() const = 0;
-  /// True when the pending observations would overflow the factor type (a non-finite factor).
+  /// True when the pending observations would overflow the statistics' type.
   virtual bool observations_overflow() const = 0;
   virtual void clear_observations() = 0;
 
-  virtual void update_factors(const Exec& exec, double decay) = 0;
-  virtual bool has_factors() const = 0;
-  /// The running factors, for averaging across ranks and for checkpoints.
-  virtual std::vector<FactorBuffer> factors() = 0;
-  /// Allocates the factors (for restoring a checkpoint) and marks them present.
-  virtual void allocate_factors() = 0;
-  /// Frees the factors and marks them absent (restoring a checkpoint saved before any update).
-  virtual void release_factors() = 0;
-  /// Shapes of the state buffers without allocating them: part 0 = factors, 1 = decomposition
-  /// of A, 2 = decomposition of G; each entry (value count, scalar size).
-  virtual std::vector<std::pair<std::size_t, std::size_t>> buffer_shapes(int part) const = 0;
+  /// Folds the pending observations into the running statistics (kept pending, see above).
+  virtual void update_statistics(const Exec& exec, double decay) = 0;
+  virtual bool has_statistics() const = 0;
+  virtual std::vector<FactorBuffer> averaged_state() = 0;
+  virtual std::vector<Buffer> checkpoint_state() = 0;
+  virtual std::vector<BufferShape> checkpoint_shapes() const = 0;
+  /// Allocates the checkpoint state (to restore into it) and marks the statistics present.
+  virtual void allocate_state() = 0;
+  /// Frees the statistics and marks them absent.
+  virtual void release_state() = 0;
 
-  /// Decomposes factor `which` (0 = A, 1 = G), allocating both factorizations if needed.
-  virtual void decompose(const Exec& exec, int which, double damping) = 0;
-  /// Called once both factorizations are in place (computed here or received).
-  virtual void finish_decomposition(const Exec& exec, double damping, bool precompute) = 0;
-  virtual bool has_decomposition() const = 0;
-  virtual void invalidate_decomposition() = 0;
-  /// The factorization of `which` as raw buffers (allocated by decompose or allocate_decomposition).
-  virtual std::vector<Buffer> decomposition_buffers(int which) = 0;
-  virtual void allocate_decomposition() = 0;
-  /// Relative cost of decomposing `which` (n^3) and of storing it (n^2).
-  virtual double decomposition_flops(int which) const = 0;
-  virtual double decomposition_memory(int which) const = 0;
-  /// Number of factors that need a decomposition (2 for Kronecker layers, 0 for closed forms).
-  virtual int decomposed_factors() const = 0;
+  // Decomposable units. The defaults describe a closed-form block (no units), which then
+  // overrides none of these.
+  virtual int units() const { return 0; }
+  virtual UnitCost unit_cost(int) const { return {}; }
+  virtual std::vector<BufferShape> unit_shapes(int) const { return {}; }
+  virtual void allocate_units() {}
+  /// Frees the decompositions and the buffers only their holder needs.
+  virtual void release_units() {}
+  /// Computes unit u from the statistics, allocating the units if needed.
+  virtual void decompose(const Exec&, int, double) {}
+  virtual std::vector<Buffer> unit_buffers(int) { return {}; }
+  /// Called once every unit is in place (computed here or received).
+  virtual void finish_decomposition(const Exec&, double, bool) {}
 
-  /// Copies (w, b) into the layer's gradient buffer X.
   virtual void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) = 0;
-  /// V = preconditioned X, into the layer's output buffer.
+  /// V = preconditioned X, into the block's output buffer.
   virtual void apply(const Exec& exec, double damping) = 0;
   /// sum(V .* X), for KL clipping.
   virtual double inner_product(const Exec& exec) const = 0;
-  /// The output buffer V (broadcast to gradient receivers).
   virtual Buffer preconditioned() = 0;
   /// Writes nu * V back into (w, b).
   virtual void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
                           double nu) = 0;
   virtual MemoryReport memory() const = 0;
+  /// What memory() will report after a step (no observations pending), computed from the
+  /// shapes without allocating: on a rank that holds the decompositions or not, for a skipped
+  /// layer or not. The cost model reads this instead of restating the formula.
+  virtual MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const = 0;
+
+  /// Kept for readers of the first API (statistics were called factors).
+  bool has_factors() const { return has_statistics(); }
 
  private:
   std::string name_;

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <string>
 
-#include "kfac/comm/comm_precision.hpp"
+#include "kfac/distributed/comm_precision.hpp"
 
 namespace kfac {
 
@@ -24,9 +24,12 @@ class SerialComm {
   bool all_equal(const std::string&) const { return true; }
   bool cuda_aware() const { return true; }
   void sum(void*, std::size_t, std::size_t, CommPrecision) const {}
-  void broadcast(void*, std::size_t, int, int) const {}
-  int make_group(int) { return -1; }
-  void free_groups() {}
+  /// A sub-communicator of one process.
+  struct Group {};
+  using group_type = Group;
+  Group split(int) const { return {}; }
+  void broadcast(void*, std::size_t, int, const Group&) const {}
+  void broadcast(void*, std::size_t, int) const {}
 };
 
 }  // namespace kfac

@@ -35,20 +35,10 @@
 #include <utility>
 #include <vector>
 
-#include "kfac/assignment.hpp"
-#include "kfac/batch_norm_layer.hpp"
-#include "kfac/comm/comm_precision.hpp"
-#include "kfac/error.hpp"
-#include "kfac/factors/factor_policies.hpp"
-#include "kfac/impl/layer_base.hpp"
-#include "kfac/inverse/cholesky.hpp"
-#include "kfac/inverse/eigendecomposition.hpp"
-#include "kfac/inverse/newton_schulz.hpp"
-#include "kfac/layers/batch_norm.hpp"
+#include "kfac/distributed/bucketing.hpp"
+#include "kfac/distributed/work_assignment.hpp"
 #include "kfac/layers/conv2d.hpp"
 #include "kfac/layers/dense.hpp"
-#include "kfac/options.hpp"
-#include "kfac/precision.hpp"
 #include "kfac/preconditioner.hpp"
 
 namespace kfac {
@@ -106,53 +96,74 @@ struct LayerShape {
   std::size_t factor_scalar = 8;         ///< sizeof(Precision::factor_type)
   std::size_t decomposition_scalar = 8;  ///< sizeof(Precision::decomposition_type)
 
+  /// What the layer's block says of itself (read from the block the Preconditioner would
+  /// build, so the model restates no formula): values per averaged buffer, values per buffer
+  /// of each decomposable unit, each unit's assignment cost, and the planned memory indexed
+  /// [holder][skipped][precompute_reciprocal].
+  std::vector<std::size_t> payload_counts;
+  std::vector<std::vector<std::size_t>> unit_counts;
+  std::vector<impl::UnitCost> unit_costs;
+  MemoryReport planned[2][2][2];
+
   /// \tparam LayerType Dense, Conv2d or BatchNorm2d.
   /// \tparam FactorPolicy, InversePolicy, Prec as in Preconditioner::register_layer.
-  template <class LayerType, class FactorPolicy = typename impl::default_factor<LayerType>::type,
+  template <class LayerType, class FactorPolicy = impl::UnsetPolicy,
             class InversePolicy = Eigendecomposition<>, class Prec = Precision<double>>
   static LayerShape of(std::string name, const LayerType& layer) {
     static_assert(impl::is_precision<Prec>::value, "kfac::LayerShape: Prec must be a kfac::Precision<...>");
     static_assert(impl::decomposition_kind_of<InversePolicy>::known,
                   "kfac::LayerShape: InversePolicy must be Eigendecomposition<>, Cholesky<> or NewtonSchulz");
+    using Method = std::conditional_t<std::is_same<FactorPolicy, impl::UnsetPolicy>::value,
+                                      typename default_method<LayerType>::type,
+                                      impl::method_from_policies<LayerType, FactorPolicy, InversePolicy, Prec>>;
     LayerShape s;
+    s.describe_block(*Method{}.template make_block<double, Kokkos::DefaultHostExecutionSpace>(name, layer));
     s.name = std::move(name);
     s.kind = LayerType::kind;
     s.factor_scalar = sizeof(typename Prec::factor_type);
     s.decomposition_scalar = sizeof(typename Prec::decomposition_type);
+    using Factor = std::conditional_t<std::is_same<FactorPolicy, impl::UnsetPolicy>::value,
+                                      typename impl::default_factor<LayerType>::type, FactorPolicy>;
     if constexpr (LayerType::is_kronecker) {
       s.a_dim = layer.a_dim();
       s.g_dim = layer.g_dim();
-      s.diagonal = FactorPolicy::is_diagonal;
-      s.packed = FactorPolicy::packed;
-      s.decomposition = FactorPolicy::is_diagonal ? DecompositionKind::closed_form
+      s.diagonal = Factor::is_diagonal;
+      s.packed = Factor::packed;
+      s.decomposition = Factor::is_diagonal ? DecompositionKind::closed_form
                                                   : impl::decomposition_kind_of<InversePolicy>::value;
     } else {
       s.kronecker = false;
       s.channels = layer.channels();
-      s.diagonal = std::is_same<FactorPolicy, Diagonal>::value;
+      s.diagonal = std::is_same<Factor, Diagonal>::value;
       s.packed = false;
       s.decomposition = DecompositionKind::closed_form;
     }
     return s;
   }
 
-  /// Number of factors that need a decomposition (as LayerBase::decomposed_factors()).
-  int decomposed_factors() const { return decomposition == DecompositionKind::closed_form ? 0 : 2; }
+  /// Number of units that need a decomposition (as Block::units()).
+  int decomposed_factors() const { return int(unit_counts.size()); }
   /// Factor dimension n of factor `which` (0 = A, 1 = G).
   index_t factor_dim(int which) const { return which == 0 ? a_dim : g_dim; }
-  /// Values in one decomposition of factor `which`, per communicated buffer.
+  /// Values in one decomposition of unit `which`, per communicated buffer.
   std::vector<std::size_t> decomposition_buffer_counts(int which) const {
-    const std::size_t n = std::size_t(factor_dim(which));
-    if (decomposition == DecompositionKind::eigen) return {n * n, n};
-    if (decomposition == DecompositionKind::closed_form) return {};
-    return {n * n};
+    return unit_counts.at(std::size_t(which));
   }
-  /// Values each factor-averaging collective carries for this layer, per factor.
-  std::vector<std::size_t> factor_payload_counts() const {
-    if (!kronecker) return {3 * std::size_t(channels)};
-    if (diagonal) return {std::size_t(a_dim), std::size_t(g_dim)};
-    auto count = [&](std::size_t n) { return packed ? n * (n + 1) / 2 : n * n; };
-    return {count(std::size_t(a_dim)), count(std::size_t(g_dim))};
+  /// Values each factor-averaging collective carries for this layer, per averaged buffer.
+  std::vector<std::size_t> factor_payload_counts() const { return payload_counts; }
+
+ private:
+  template <class Block>
+  void describe_block(Block& b) {
+    for (const auto& f : b.averaged_state()) payload_counts.push_back(f.payload_count());
+    for (int u = 0; u < b.units(); ++u) {
+      unit_costs.push_back(b.unit_cost(u));
+      unit_counts.emplace_back();
+      for (const auto& sh : b.unit_shapes(u)) unit_counts.back().push_back(sh.first);
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 2; ++k)
+        for (int p = 0; p < 2; ++p) planned[h][k][p] = b.planned_memory(h, k, p);
   }
 };
 
@@ -336,10 +347,12 @@ class CostModel {
     p.inv_interval = v.inv_update_steps;
     const std::size_t n = layers_.size();
     std::vector<bool> skip(n);
-    std::vector<std::pair<double, double>> costs;
+    std::vector<std::vector<double>> costs(n);
     for (std::size_t l = 0; l < n; ++l) {
       skip[l] = skipped(layers_[l], options);
-      costs.push_back(skip[l] ? std::pair<double, double>{0.0, 0.0} : assignment_cost(layers_[l], options));
+      if (!skip[l])
+        for (const auto& u : layers_[l].unit_costs)
+          costs[l].push_back(options.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
     }
     p.assignment = WorkAssignment(world, options.grad_worker_fraction, costs, options.colocate_factors);
     const WorkAssignment& a = p.assignment;
@@ -430,67 +443,34 @@ class CostModel {
       if (k == s.name || k == s.kind) return true;
     return false;
   }
-  /// The costs Preconditioner::check_registration hands to WorkAssignment.
-  static std::pair<double, double> assignment_cost(const LayerShape& s, const Options& o) {
-    if (s.decomposed_factors() == 0) return {0.0, 0.0};
-    const double a = s.a_dim, g = s.g_dim;
-    if (o.assignment_cost == AssignmentCost::memory) return {a * a, g * g};
-    return {a * a * a, g * g * g};
-  }
-
-  /// Mirrors KroneckerLayer::memory() and BatchNormLayer::memory() after a step().
+  /// The layer's planned memory after a step(), as its block computes it.
   static MemoryReport memory(const LayerShape& s, bool skip, const Options& o, bool worker) {
-    MemoryReport r{s.name, s.kind, 0, 0, 0};
-    const std::size_t a = std::size_t(s.a_dim), g = std::size_t(s.g_dim);
-    const std::size_t sf = s.factor_scalar, sd = s.decomposition_scalar;
-    if (!s.kronecker) {
-      const std::size_t c = std::size_t(s.channels);
-      r.workspace_bytes = 3 * c * sizeof(double);  // per-channel sums, allocated at registration
-      if (skip) return r;
-      r.factor_bytes = 3 * c * sf;
-      r.workspace_bytes += 4 * c * sd;  // (dgamma, dbeta) in and out
-      return r;
-    }
-    if (skip) return r;  // a skipped Kronecker layer never allocates
-    r.factor_bytes = (s.diagonal ? a + g : a * a + g * g) * sf;
-    r.workspace_bytes = (s.diagonal || !worker ? 2 : 3) * g * a * sd;  // x, out (+ work where applied)
-    if (s.decomposed_factors() > 0 && worker) {
-      for (int which = 0; which < 2; ++which)
-        for (std::size_t c : s.decomposition_buffer_counts(which)) r.decomposition_bytes += c * sd;
-      if (s.decomposition == DecompositionKind::eigen && o.precompute_reciprocal)
-        r.decomposition_bytes += g * a * sd;
-    }
+    MemoryReport r = s.planned[worker][skip][o.precompute_reciprocal];
+    r.name = s.name;
     return r;
   }
 
-  /// Replays Preconditioner::average_factors: buckets per storage type, float first.
+  /// Replays the factor averaging of kfac::Kaisa: buckets per storage type, float first,
+  /// cut by the library's own bucketing routine.
   void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Options& o) const {
     if (p.world == 1) return;
     std::size_t sent = 0, staging = 0;
     for (std::size_t size : {std::size_t(4), std::size_t(8)}) {
-      const std::size_t limit = std::max<std::size_t>(1, o.bucket_bytes / size);
       const std::size_t payload = o.comm_precision == CommPrecision::native    ? size
                                   : o.comm_precision == CommPrecision::float32 ? 4
                                                                                : 2;
-      std::size_t count = 0;
-      bool open = false;
-      auto flush = [&] {
+      std::vector<std::size_t> counts;
+      for (std::size_t l = 0; l < layers_.size(); ++l) {
+        if (skip[l] || layers_[l].factor_scalar != size) continue;
+        for (std::size_t c : layers_[l].factor_payload_counts()) counts.push_back(c);
+      }
+      for (const auto& bucket : impl::plan_buckets(counts, o.bucket_bytes / size, false)) {
+        const std::size_t count = impl::bucket_count(bucket);
         sent += 2 * count * payload;
         staging = std::max(staging, count * size);
         p.factor_comm_seconds += machine_.allreduce_seconds(count * payload, p.world);
         ++p.factor_collectives;
-        count = 0;
-        open = false;
-      };
-      for (std::size_t l = 0; l < layers_.size(); ++l) {
-        if (skip[l] || layers_[l].factor_scalar != size) continue;
-        for (std::size_t c : layers_[l].factor_payload_counts()) {
-          if (open && count + c > limit) flush();
-          count += c;
-          open = true;
-        }
       }
-      if (open) flush();
     }
     for (auto& r : p.ranks) {
       r.factor_bytes_sent = sent;

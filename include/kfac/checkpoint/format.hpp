@@ -1,23 +1,18 @@
 #pragma once
-/// \file checkpoint.hpp
-/// \brief The versioned, checksummed binary checkpoint format (see docs/reliability.md).
+/// \file format.hpp
+/// \brief The versioned, checksummed binary checkpoint envelope and its byte reader/writer
+/// (see docs/reliability.md; the bodies are in serializer.hpp).
 ///
 /// All integers little-endian (the format is written and read on little-endian machines; a
 /// big-endian reader rejects it by its version field, which it reads as 16777216).
 ///
 ///     magic      8 bytes  "KFACCKPT"
-///     version    u32      1
+///     version    u32      2 (1 is still read)
 ///     body_size  u64      bytes of the body that follows
 ///     body       ...
 ///     checksum   u64      FNV-1a 64 of the body
 ///
-/// Body: step counters (i64 x 5: step, next factor step, next decomposition step, last factor
-/// step, last decomposition step), world size (i32), rank (i32), flags (u32: bit 0 =
-/// decompositions requested; informational, the per-layer flags decide), layer count (u32), then
-/// per layer: name (str), signature (str), has_factors (u8), factor buffers (u32 count, each:
-/// scalar size u8, value count u64, raw values), has_decomposition (u8), damping of the layer's
-/// last decomposition (f64), decomposition buffers of A, then of G (same form as the factors).
-/// str = u32 length + bytes.
+/// The body of each version is described in serializer.hpp.
 
 #include <cmath>
 #include <cstdint>
@@ -27,19 +22,16 @@
 #include <string>
 #include <vector>
 
+#include "kfac/core/hash.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
 namespace impl {
 
 constexpr char checkpoint_magic[8] = {'K', 'F', 'A', 'C', 'C', 'K', 'P', 'T'};
-constexpr std::uint32_t checkpoint_version = 1;
+constexpr std::uint32_t checkpoint_version = 2;       ///< written
+constexpr std::uint32_t oldest_checkpoint_version = 1;  ///< still read
 
-inline std::uint64_t fnv1a_bytes(const char* p, std::size_t n) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i < n; ++i) { h ^= static_cast<unsigned char>(p[i]); h *= 1099511628211ull; }
-  return h;
-}
 
 class ByteWriter {
  public:
@@ -116,9 +108,9 @@ inline bool all_finite(const char* p, std::size_t count, std::size_t scalar_size
 }
 
 /// Wraps a body with magic, version, size and checksum.
-inline void write_checkpoint(std::ostream& os, const std::vector<char>& body) {
+inline void write_checkpoint(std::ostream& os, const std::vector<char>& body,
+                             std::uint32_t v = checkpoint_version) {
   os.write(checkpoint_magic, 8);
-  const std::uint32_t v = checkpoint_version;
   const std::uint64_t size = body.size(), sum = fnv1a_bytes(body.data(), body.size());
   os.write(reinterpret_cast<const char*>(&v), 4);
   os.write(reinterpret_cast<const char*>(&size), 8);
@@ -127,8 +119,10 @@ inline void write_checkpoint(std::ostream& os, const std::vector<char>& body) {
   if (!os) throw Error("", "checkpoint: writing failed");
 }
 
-/// Reads and verifies the envelope; returns the body. Caps the body at `max_bytes`.
-inline std::vector<char> read_checkpoint(std::istream& is, std::uint64_t max_bytes = (1ull << 40)) {
+/// Reads and verifies the envelope; returns the body and sets `version`. Caps the body at
+/// `max_bytes`.
+inline std::vector<char> read_checkpoint(std::istream& is, std::uint32_t& version,
+                                         std::uint64_t max_bytes = (1ull << 40)) {
   char magic[8] = {};
   is.read(magic, 8);
   if (!is || std::memcmp(magic, checkpoint_magic, 8) != 0)
@@ -137,9 +131,11 @@ inline std::vector<char> read_checkpoint(std::istream& is, std::uint64_t max_byt
   std::uint64_t size = 0;
   is.read(reinterpret_cast<char*>(&v), 4);
   if (!is) throw Error("", "checkpoint is truncated (no version)");
-  if (v != checkpoint_version)
+  if (v < oldest_checkpoint_version || v > checkpoint_version)
     throw Error("", "checkpoint version " + std::to_string(v) + " is not supported (expected " +
+                        std::to_string(oldest_checkpoint_version) + " to " +
                         std::to_string(checkpoint_version) + ")");
+  version = v;
   is.read(reinterpret_cast<char*>(&size), 8);
   if (!is) throw Error("", "checkpoint is truncated (no size)");
   if (size > max_bytes) throw Error("", "checkpoint body size " + std::to_string(size) + " is implausible");

@@ -1,0 +1,277 @@
+#pragma once
+/// \file serializer.hpp
+/// \brief Checkpoint bodies: what a preconditioner's state looks like on disk, written from and
+/// read into the blocks' checkpoint views. Version 2 is written; version 1 (kfac 0.1) is read.
+///
+/// Version 2 body (integers little-endian; str = u32 length + bytes; buffers = u32 count, then
+/// per buffer: scalar size u8, value count u64, raw values):
+///
+///     counters   i64 x 5  step, next statistics step, next decomposition step, last
+///                         statistics step, last decomposition step (over all layers)
+///     world i32, rank i32, flags u32 (bit 0: decompositions requested), layer count u32
+///     per layer: name str, signature str,
+///                schedule i64 x 4 (next statistics, next decomposition, last statistics,
+///                last decomposition step of this layer),
+///                has_state u8, state buffers (the block's checkpoint view),
+///                has_decomposition u8, damping f64 (of the layer's last decomposition),
+///                unit count u32, then per unit its buffers.
+///
+/// Version 1 differs per layer: no schedule (every layer follows the global counters), and
+/// after the damping always exactly two buffer lists, the decompositions of A and of G.
+/// State (statistics) is global and restores at any world size; decompositions are per rank.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <istream>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "kfac/checkpoint/format.hpp"
+#include "kfac/core/registry.hpp"
+
+namespace kfac {
+namespace impl {
+
+/// A checked checkpoint, not yet applied. The value pointers point into `body`.
+struct CheckpointPlan {
+  struct Layer {
+    LayerSchedule schedule;
+    bool has_schedule = false;
+    bool has_state = false, has_decomposition = false;
+    double damping = 0;
+    std::vector<const char*> state;
+    std::vector<std::vector<const char*>> units;
+  };
+  std::vector<char> body;
+  std::uint32_t version = 0;
+  long counters[5] = {};
+  int world = 0, rank = 0;
+  std::vector<Layer> layers;
+};
+
+template <class Exec>
+std::string to_host_bytes(const Buffer& b) {
+  using memory_space = typename Exec::memory_space;
+  std::string out(b.bytes(), '\0');
+  Kokkos::View<const char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(
+      static_cast<const char*>(b.data), b.bytes());
+  Kokkos::View<char*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> h(&out[0], b.bytes());
+  Kokkos::deep_copy(h, d);
+  return out;
+}
+template <class Exec>
+void from_host_bytes(const Buffer& b, const char* src) {
+  using memory_space = typename Exec::memory_space;
+  Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> d(static_cast<char*>(b.data), b.bytes());
+  Kokkos::View<const char*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> h(src, b.bytes());
+  Kokkos::deep_copy(d, h);
+}
+
+/// Writes a version-2 checkpoint of `reg`.
+template <class Scalar, class Exec>
+void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const long (&counters)[5],
+                     int world, int rank, bool with_decompositions) {
+  ByteWriter w;
+  for (long v : counters) w.put(std::int64_t(v));
+  w.put(std::int32_t(world));
+  w.put(std::int32_t(rank));
+  w.put(std::uint32_t(with_decompositions ? 1 : 0));
+  w.put(std::uint32_t(reg.size()));
+  auto put_buffers = [&](const std::vector<Buffer>& bufs) {
+    w.put(std::uint32_t(bufs.size()));
+    for (const auto& b : bufs) {
+      w.put(std::uint8_t(b.scalar_size));
+      w.put(std::uint64_t(b.count));
+      const std::string bytes = to_host_bytes<Exec>(b);
+      w.put_raw(bytes.data(), bytes.size());
+    }
+  };
+  for (const auto& e : reg.entries()) {
+    auto& block = *e.block;
+    w.put_string(block.name());
+    w.put_string(block.signature());
+    for (long v : {e.schedule.next_factor, e.schedule.next_inv, e.schedule.last_factor, e.schedule.last_inv})
+      w.put(std::int64_t(v));
+    w.put(std::uint8_t(block.has_statistics()));
+    put_buffers(block.has_statistics() ? block.checkpoint_state() : std::vector<Buffer>{});
+    const bool dec = with_decompositions && e.decomposed;
+    w.put(std::uint8_t(dec));
+    w.put(e.decomposition_damping);
+    const int units = dec ? block.units() : 0;
+    w.put(std::uint32_t(units));
+    for (int u = 0; u < units; ++u) put_buffers(block.unit_buffers(u));
+  }
+  write_checkpoint(os, w.bytes());
+}
+
+/// Reads and checks a checkpoint (version 1 or 2) against `reg`; throws kfac::Error and
+/// changes nothing on any problem.
+template <class Scalar, class Exec>
+CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& reg) {
+  CheckpointPlan cp;
+  cp.body = read_checkpoint(is, cp.version);
+  ByteReader r(cp.body.data(), cp.body.size());
+  long* counters = cp.counters;
+  for (int k = 0; k < 5; ++k) counters[k] = long(r.get<std::int64_t>("step counters"));
+  cp.world = r.get<std::int32_t>("world size");
+  cp.rank = r.get<std::int32_t>("rank");
+  r.get<std::uint32_t>("flags");
+  const std::uint32_t count = r.get<std::uint32_t>("layer count");
+  if (count != reg.size())
+    throw Error("", "checkpoint has " + std::to_string(count) + " layers, this preconditioner has " +
+                        std::to_string(reg.size()));
+  // Real counters stay far below 2^53; the bound keeps step() from overflowing `long`.
+  constexpr long max_step = 1L << 53;
+  auto check_next = [&](long v) {
+    if (v < 0 || v > max_step)
+      throw Error("", "checkpoint has step counter " + std::to_string(v) + ": corrupt");
+  };
+  auto check_last = [&](long v) {
+    if (v < -1 || v >= counters[0])
+      throw Error("", "checkpoint has last-update step " + std::to_string(v) + " at step " +
+                          std::to_string(counters[0]) + ": corrupt");
+  };
+  for (int k = 0; k < 3; ++k) check_next(counters[k]);
+  for (int k = 3; k < 5; ++k) check_last(counters[k]);
+  cp.layers.resize(count);
+  for (std::uint32_t i = 0; i < count; ++i) {
+    auto& block = *reg[i].block;
+    const std::string name = r.get_string("layer name");
+    const std::string sig = r.get_string("layer signature");
+    if (name != block.name())
+      throw Error(block.name(), "checkpoint has layer '" + name + "' in this position");
+    if (sig != block.signature())
+      throw Error(name, "checkpoint was written for " + sig + ", this layer is " + block.signature());
+    auto& p = cp.layers[i];
+    if (cp.version >= 2) {
+      long s[4];
+      for (long& v : s) v = long(r.get<std::int64_t>("layer schedule"));
+      check_next(s[0]);
+      check_next(s[1]);
+      check_last(s[2]);
+      check_last(s[3]);
+      p.schedule = {s[0], s[1], s[2], s[3]};
+      p.has_schedule = true;
+    }
+    auto read_buffers = [&](const std::vector<BufferShape>& shapes, std::vector<const char*>& out) {
+      const std::uint32_t n = r.get<std::uint32_t>("buffer count");
+      if (n == 0) return;
+      if (n != shapes.size())
+        throw Error(name, "checkpoint buffer count " + std::to_string(n) + " does not match " +
+                              std::to_string(shapes.size()));
+      for (const auto& [cnt, size] : shapes) {
+        const auto ss = r.get<std::uint8_t>("scalar size");
+        const auto c = r.get<std::uint64_t>("value count");
+        if (ss != size || c != cnt)
+          throw Error(name, "checkpoint buffer has " + std::to_string(c) + " values of " +
+                                std::to_string(int(ss)) + " bytes, expected " + std::to_string(cnt) +
+                                " of " + std::to_string(size));
+        const char* values = r.get_raw(std::size_t(c) * ss, "buffer values");
+        // save() never writes NaN/Inf (statistics and decompositions are checked when made);
+        // loading one would poison every later decomposition.
+        if (!all_finite(values, std::size_t(c), ss))
+          throw Error(name, "checkpoint has NaN/Inf values in its saved state: corrupt");
+        out.push_back(values);
+      }
+    };
+    p.has_state = r.get<std::uint8_t>("factor flag") != 0;
+    read_buffers(block.checkpoint_shapes(), p.state);
+    if (p.has_state != !p.state.empty())
+      throw Error(name, "checkpoint factor flag disagrees with its buffers: corrupt");
+    p.has_decomposition = r.get<std::uint8_t>("decomposition flag") != 0;
+    p.damping = r.get<double>("decomposition damping");
+    if (!std::isfinite(p.damping) || p.damping < 0 || (p.has_decomposition && p.damping == 0))
+      throw Error(name, "checkpoint has decomposition damping " + std::to_string(p.damping) +
+                            ": corrupt");
+    // Version 1 always has two lists (empty for closed forms); version 2 says how many.
+    const std::uint32_t units = cp.version >= 2 ? r.get<std::uint32_t>("unit count") : 2;
+    const int expected = block.units();
+    if (cp.version >= 2 && units != 0 && int(units) != expected)
+      throw Error(name, "checkpoint has " + std::to_string(units) + " decomposed units, expected " +
+                            std::to_string(expected));
+    p.units.resize(units);
+    for (std::uint32_t u = 0; u < units; ++u)
+      read_buffers(int(u) < expected ? block.unit_shapes(int(u)) : std::vector<BufferShape>{}, p.units[u]);
+    if (p.has_decomposition && !p.has_state)
+      throw Error(name, "checkpoint has a decomposition without factors: corrupt");
+    bool complete = expected == 0 || int(p.units.size()) >= expected;
+    for (int u = 0; complete && u < expected; ++u) complete = !p.units[std::size_t(u)].empty();
+    if (p.has_decomposition && !complete)
+      throw Error(name, "checkpoint decomposition flag disagrees with its buffers: corrupt");
+    if (!p.has_decomposition)
+      for (const auto& list : p.units)
+        if (!list.empty()) throw Error(name, "checkpoint decomposition flag disagrees with its buffers: corrupt");
+  }
+  if (!r.done()) throw Error("", "checkpoint has trailing bytes: corrupt");
+  return cp;
+}
+
+/// True when this rank's checkpoint can restore its decompositions under the current work
+/// assignment: same world size and rank, and a decomposition for every layer the rank holds.
+template <class Scalar, class Exec, class Holds>
+bool decompositions_fit(const CheckpointPlan& cp, const Registry<Scalar, Exec>& reg, int world,
+                        int rank, Holds&& holds) {
+  if (cp.world != world || cp.rank != rank) return false;
+  for (std::size_t l = 0; l < cp.layers.size(); ++l) {
+    const auto& p = cp.layers[l];
+    if (!reg[l].skipped && p.has_state && !p.has_decomposition && reg[l].block->units() > 0 && holds(l))
+      return false;
+  }
+  return true;
+}
+
+/// Applies a checked plan: restores state everywhere and decompositions when `same_layout`.
+/// Returns false when some saved decomposition was not restored.
+template <class Scalar, class Exec>
+bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, bool same_layout,
+                      const Exec& exec, bool precompute) {
+  bool restored = true;
+  for (std::size_t i = 0; i < cp.layers.size(); ++i) {
+    auto& e = reg[i];
+    auto& block = *e.block;
+    const auto& p = cp.layers[i];
+    block.clear_observations();
+    e.clear_gradient();
+    if (p.has_state) {
+      block.allocate_state();
+      auto bufs = block.checkpoint_state();
+      for (std::size_t k = 0; k < bufs.size(); ++k) from_host_bytes<Exec>(bufs[k], p.state[k]);
+    } else {
+      block.release_state();
+    }
+    if (p.has_schedule) {
+      e.schedule = p.schedule;
+    } else {
+      e.schedule = {cp.counters[1], cp.counters[2], cp.counters[3], cp.counters[4]};
+    }
+    e.decomposition_damping = p.damping;
+    e.decomposed = false;
+    if (p.has_decomposition && same_layout) {
+      for (int u = 0; u < block.units(); ++u) {
+        auto bufs = block.unit_buffers(u);
+        for (std::size_t k = 0; k < bufs.size(); ++k) from_host_bytes<Exec>(bufs[k], p.units[std::size_t(u)][k]);
+      }
+      block.finish_decomposition(exec, p.damping, precompute);
+      e.decomposed = true;
+    } else if (p.has_decomposition) {
+      restored = false;
+    }
+  }
+  // A layer saved without statistics gets them at the next step, and with it every layer (as
+  // after a late registration, see Preconditioner::register_layer).
+  bool any_without = false;
+  for (const auto& p : cp.layers) any_without = any_without || !p.has_state;
+  if (any_without)
+    for (auto& e : reg.entries()) {
+      e.schedule.next_factor = std::min(e.schedule.next_factor, cp.counters[0]);
+      e.schedule.next_inv = std::min(e.schedule.next_inv, cp.counters[0]);
+    }
+  exec.fence();
+  return restored;
+}
+
+}  // namespace impl
+}  // namespace kfac

@@ -1,0 +1,41 @@
+#pragma once
+/// \file backup.hpp
+/// \brief Copies of state buffers taken before a step changes them, so that a step that fails
+/// can put everything back (the "a throwing call changes nothing" guarantee).
+
+#include <Kokkos_Core.hpp>
+#include <vector>
+
+#include "kfac/core/block.hpp"
+
+namespace kfac {
+namespace impl {
+
+template <class Exec>
+class StateBackup {
+ public:
+  using memory_space = typename Exec::memory_space;
+  /// Copies `b` (device to device).
+  void save(const Exec& exec, const Buffer& b) {
+    if (b.bytes() == 0) return;
+    Kokkos::View<char*, memory_space> copy(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::backup"), b.bytes());
+    Kokkos::deep_copy(exec, copy, view(b));
+    saved_.push_back({b, copy});
+  }
+  /// Writes every saved copy back, newest last-saved first, then forgets them.
+  void restore(const Exec& exec) {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) Kokkos::deep_copy(exec, view(it->first), it->second);
+    exec.fence();
+    saved_.clear();
+  }
+  void clear() { saved_.clear(); }
+
+ private:
+  static Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> view(const Buffer& b) {
+    return Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(static_cast<char*>(b.data), b.bytes());
+  }
+  std::vector<std::pair<Buffer, Kokkos::View<char*, memory_space>>> saved_;
+};
+
+}  // namespace impl
+}  // namespace kfac

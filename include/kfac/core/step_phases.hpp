@@ -1,0 +1,173 @@
+#pragma once
+/// \file step_phases.hpp
+/// \brief The phases of one Preconditioner::step(), over the registry and a distribution
+/// state: statistics update and averaging, decompositions (atomic: a failure on any rank puts
+/// every rank back where it was), preconditioning. See docs/design.md for the data flow.
+
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kfac/core/backup.hpp"
+#include "kfac/core/registry.hpp"
+#include "kfac/error.hpp"
+
+namespace kfac {
+namespace impl {
+
+/// What one step does to one layer.
+struct Due {
+  bool factor = false, inv = false;
+  StepValues values{};
+};
+
+/// Counts the non-finite values of a state buffer.
+template <class Exec>
+long nonfinite_in(const Exec& exec, const Buffer& b) {
+  using M = typename Exec::memory_space;
+  using U = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+  if (b.scalar_size == 8)
+    return count_nonfinite(exec, Kokkos::View<const double*, M, U>(static_cast<const double*>(b.data), b.count));
+  return count_nonfinite(exec, Kokkos::View<const float*, M, U>(static_cast<const float*>(b.data), b.count));
+}
+
+template <class Scalar, class Exec, class Dist>
+class StepPhases {
+ public:
+  StepPhases(const Exec& exec, Registry<Scalar, Exec>& reg, Dist& dist, const Options& o,
+             const std::vector<Due>& due)
+      : exec_(exec), reg_(reg), dist_(dist), o_(o), due_(due) {}
+
+  /// Updates the due layers' statistics and averages them over the replica group. When the
+  /// step also decomposes, the old statistics are kept first, for a rollback.
+  void update_statistics() {
+    bool decomposes = false;
+    for (const auto& d : due_) decomposes = decomposes || d.inv;
+    std::vector<FactorBuffer> averaged;
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      auto& e = reg_[l];
+      had_state_.push_back(e.block->has_statistics());
+      if (e.skipped || !due_[l].factor) continue;
+      if (decomposes && e.block->has_statistics())
+        for (const auto& b : e.block->checkpoint_state()) backup_.save(exec_, b);
+      e.block->update_statistics(exec_, due_[l].values.factor_decay);
+      for (const auto& f : e.block->averaged_state()) averaged.push_back(f);
+    }
+    dist_.average(exec_, averaged, o_);
+  }
+
+  /// Computes this rank's units, agrees with every rank on failures (one collective, only on
+  /// steps that decompose), then shares the units. On a failure anywhere, every rank restores
+  /// its state and throws. Returns the number of damping retries that were needed.
+  long decompose() {
+    bool any = false;
+    for (std::size_t l = 0; l < reg_.size(); ++l) any = any || needs(l);
+    if (!any) return 0;
+    std::optional<Error> failed;
+    long failed_layer = 0, retries = 0;  // failed_layer is 1-based, 0 = none
+    for (std::size_t l = 0; l < reg_.size() && !failed; ++l) {
+      auto& e = reg_[l];
+      if (!needs(l) || e.block->units() == 0 || !dist_.holds(l)) continue;
+      e.block->allocate_units();
+      for (int u = 0; u < e.block->units() && !failed; ++u) {
+        if (!dist_.computes(l, u)) continue;
+        if (e.decomposed)
+          for (const auto& b : e.block->unit_buffers(u)) backup_.save(exec_, b);
+        try {
+          retries += with_retries(e, u, due_[l].values.damping);
+        } catch (const Error& err) {
+          failed = err;
+        } catch (const std::exception& err) {  // e.g. std::bad_alloc inside a solver
+          failed = Error(e.block->name(), std::string("decomposition failed: ") + err.what());
+        }
+        if (failed) failed_layer = long(l) + 1;
+      }
+    }
+    const long verdict = dist_.agree_max(failed_layer);
+    if (verdict > 0) {
+      rollback();
+      if (failed) throw *failed;
+      throw Error(reg_[std::size_t(verdict - 1)].block->name(),
+                  "decomposition failed on another rank (see that rank's error); nothing changed");
+    }
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      auto& e = reg_[l];
+      if (!needs(l) || !dist_.holds(l)) continue;
+      const double damping = due_[l].values.damping;
+      if (e.block->units() > 0) {
+        exec_.fence();
+        for (int u = 0; u < e.block->units(); ++u) dist_.share_unit(l, u, e.block->unit_buffers(u));
+      }
+      e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
+      e.decomposed = true;
+      e.decomposition_damping = damping;
+    }
+    backup_.clear();
+    return retries;
+  }
+
+  /// Holders precondition their layers; receivers get V from their group's holder. Every rank
+  /// first preconditions all of its own layers and only then takes part in the broadcasts, so
+  /// that under MEM-OPT/HYBRID the ranks' GEMMs overlap instead of taking turns.
+  void precondition() {
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      auto& e = reg_[l];
+      if (e.skipped) continue;
+      e.block->load_gradient(exec_, e.w, e.b);  // receivers too: X enters the KL-clip sum
+      if (dist_.holds(l)) e.block->apply(exec_, due_[l].values.damping);
+    }
+    if (!dist_.shares_gradients()) return;
+    exec_.fence();
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (!reg_[l].skipped) dist_.share_gradient(l, reg_[l].block->preconditioned());
+  }
+
+ private:
+  bool needs(std::size_t l) const {
+    const auto& e = reg_[l];
+    return !e.skipped && (due_[l].inv || (!e.decomposed && dist_.holds(l)));
+  }
+
+  /// A failed decomposition (LAPACK info, Cholesky breakdown, Newton-Schulz divergence, NaN/Inf
+  /// in the result) is retried with damping x damping_retry_factor, up to max_damping_retries
+  /// times, then reported.
+  long with_retries(Entry<Scalar, Exec>& e, int u, double damping) {
+    double d = damping;
+    for (int attempt = 0;; ++attempt) {
+      try {
+        e.block->decompose(exec_, u, d);
+        for (const auto& b : e.block->unit_buffers(u))
+          if (nonfinite_in(exec_, b) > 0)
+            throw Error(e.block->name(), "decomposition has NaN/Inf values (is the factor finite?)");
+        return attempt > 0 ? 1 : 0;
+      } catch (const Error& err) {
+        if (attempt >= o_.max_damping_retries)
+          throw Error(e.block->name(), "decomposition of " +
+                                           (e.block->units() == 2 ? std::string(u == 0 ? "A" : "G")
+                                                                  : "unit " + std::to_string(u)) +
+                                           " failed after " + std::to_string(attempt) +
+                                           " damping increase(s): " + err.what());
+        d *= o_.damping_retry_factor;
+      }
+    }
+  }
+
+  /// Puts statistics and decompositions back as they were before this step.
+  void rollback() {
+    backup_.restore(exec_);
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (!had_state_[l] && reg_[l].block->has_statistics()) reg_[l].block->release_state();
+  }
+
+  const Exec& exec_;
+  Registry<Scalar, Exec>& reg_;
+  Dist& dist_;
+  const Options& o_;
+  const std::vector<Due>& due_;
+  StateBackup<Exec> backup_;
+  std::vector<char> had_state_;
+};
+
+}  // namespace impl
+}  // namespace kfac

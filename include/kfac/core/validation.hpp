@@ -1,0 +1,75 @@
+#pragma once
+/// \file validation.hpp
+/// \brief Checks at the public boundary: what a view handed to the Preconditioner must be.
+
+#include <Kokkos_Core.hpp>
+#include <string>
+#include <type_traits>
+
+#include "kfac/core/block.hpp"
+#include "kfac/error.hpp"
+
+namespace kfac {
+namespace impl {
+
+template <class View>
+std::string shape_string(const View& v) {
+  long e[8] = {};
+  for (unsigned r = 0; r < View::rank; ++r) e[r] = long(v.extent(r));
+  return extents_string(e, int(View::rank));
+}
+
+inline void fail_if(const std::string& name, const std::string& why) {
+  if (!why.empty()) throw Error(name, why);
+}
+
+/// Row-major rank-2 (batch, features) or rank-4 (N, C, H, W) view -> unmanaged rank-4 view.
+template <class Scalar, class Exec, class View>
+Tensor4<Scalar, Exec> as_tensor(const std::string& name, const View& v, const char* what) {
+  static_assert(Kokkos::is_view<View>::value, "kfac: observations must be Kokkos views");
+  static_assert(View::rank == 2 || View::rank == 4,
+                "kfac: observations are (batch, features) or (N, C, H, W) views");
+  static_assert(std::is_same<typename View::non_const_value_type, Scalar>::value,
+                "kfac: observations must have the Preconditioner's Scalar type");
+  static_assert(Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible,
+                "kfac: observation not accessible from the execution space");
+  if (!std::is_same<typename View::array_layout, Kokkos::LayoutRight>::value || !v.span_is_contiguous())
+    throw Error(name, std::string(what) + " must be a contiguous row-major (LayoutRight) view");
+  const std::size_t d2 = View::rank == 4 ? v.extent(2) : 1, d3 = View::rank == 4 ? v.extent(3) : 1;
+  return Tensor4<Scalar, Exec>(v.data(), v.extent(0), v.extent(1), d2, d3);
+}
+
+/// Checks a (weight, bias) gradient against the block's shape and stores it in `entry`.
+template <class Scalar, class Exec, class Entry, class W, class B>
+void take_gradient(Entry& entry, const W& weight, const B& bias) {
+  static_assert(std::is_same<typename W::non_const_value_type, Scalar>::value &&
+                    std::is_same<typename B::non_const_value_type, Scalar>::value,
+                "kfac::set_gradient: gradients must have the Preconditioner's Scalar type");
+  static_assert(Kokkos::SpaceAccessibility<Exec, typename W::memory_space>::accessible,
+                "kfac::set_gradient: gradient not accessible from the execution space");
+  static_assert(!std::is_const<typename W::value_type>::value &&
+                    !std::is_const<typename B::value_type>::value,
+                "kfac::set_gradient: gradients are preconditioned in place; pass non-const views");
+  const auto& block = *entry.block;
+  const std::string& name = block.name();
+  const index_t rows = block.weight_rows(), cols = block.weight_cols();
+  long n = 1;
+  for (unsigned r = 0; r < W::rank; ++r) n *= long(weight.extent(r));
+  if (long(weight.extent(0)) != rows || n != long(rows) * cols)
+    throw Error(name, "weight gradient has shape " + shape_string(weight) + ", expected " +
+                          std::to_string(rows) + " x " + std::to_string(cols) + " values");
+  if (!weight.span_is_contiguous() ||
+      (W::rank > 1 && !std::is_same<typename W::array_layout, Kokkos::LayoutRight>::value))
+    throw Error(name, "weight gradient must be a contiguous row-major (LayoutRight) view");
+  if (block.has_bias() && (long(bias.extent(0)) != rows || !bias.span_is_contiguous()))
+    throw Error(name, "bias gradient has length " + std::to_string(bias.extent(0)) +
+                          ", expected a contiguous vector of length " + std::to_string(rows));
+  if (!block.has_bias() && bias.extent(0) != 0)
+    throw Error(name, "layer has no bias but a bias gradient was given");
+  entry.w = GradMatrix<Scalar, Exec>(const_cast<Scalar*>(weight.data()), rows, cols);
+  entry.b = GradVector<Scalar, Exec>(const_cast<Scalar*>(bias.data()), bias.extent(0));
+  entry.has_gradient = true;
+}
+
+}  // namespace impl
+}  // namespace kfac

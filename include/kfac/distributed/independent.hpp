@@ -1,0 +1,49 @@
+#pragma once
+/// \file independent.hpp
+/// \brief No distribution: every rank keeps, decomposes and applies its own state and takes
+/// part in no collective. For jobs whose ranks see different data and must not average their
+/// curvature (Kaldi's independent jobs with parameter averaging, FDG's pipeline stages), and
+/// for ranks that register different layers.
+
+#include <string>
+#include <vector>
+
+#include "kfac/core/block.hpp"
+#include "kfac/core/options.hpp"
+#include "kfac/distributed/work_assignment.hpp"
+
+namespace kfac {
+
+struct Independent {
+  using distribution_tag = void;
+  static constexpr const char* name = "independent";
+
+  template <class Exec, class Comm>
+  class State {
+   public:
+    explicit State(Comm comm) : comm_(std::move(comm)) {}
+    const Comm& comm() const { return comm_; }
+    std::string signature(const Options&) const { return "independent;"; }
+    bool check_same(const std::string&) const { return true; }
+    void plan(const Options& o, const std::vector<std::vector<impl::UnitCost>>& costs) {
+      std::vector<std::vector<double>> c(costs.size());
+      for (std::size_t l = 0; l < costs.size(); ++l) c[l].assign(costs[l].size(), 0.0);
+      assignment_ = WorkAssignment(1, 1.0, c, o.colocate_factors);
+    }
+    /// A one-rank assignment: everything on this rank.
+    const WorkAssignment& assignment() const { return assignment_; }
+    bool holds(std::size_t) const { return true; }
+    bool computes(std::size_t, int) const { return true; }
+    long agree_max(long v) const { return v; }
+    void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
+    void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}
+    void share_gradient(std::size_t, const impl::Buffer&) {}
+    bool shares_gradients() const { return false; }
+
+   private:
+    Comm comm_;
+    WorkAssignment assignment_;
+  };
+};
+
+}  // namespace kfac

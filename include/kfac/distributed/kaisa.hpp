@@ -1,0 +1,144 @@
+#pragma once
+/// \file kaisa.hpp
+/// \brief KAISA distribution (Pauloski et al. 2022): statistics averaged over all ranks, each
+/// decomposable unit computed on one rank and shared within its layer's worker group, and
+/// preconditioned gradients sent to the gradient receivers. Gradient-worker fraction 1 is
+/// COMM-OPT, 1/world MEM-OPT, values in between HYBRID (Options::grad_worker_fraction).
+///
+/// Contract of a distribution policy (see also kfac::Independent): a tag type with
+/// `distribution_tag` and a nested `State<Exec, Comm>` the Preconditioner builds, with
+/// signature(), check_same(), plan(), holds(), computes(), agree_max(), average(),
+/// share_units() and share_gradients(). The state owns every sub-communicator it makes.
+
+#include <Kokkos_Core.hpp>
+#include <string>
+#include <vector>
+
+#include "kfac/core/block.hpp"
+#include "kfac/core/options.hpp"
+#include "kfac/distributed/bucketing.hpp"
+#include "kfac/distributed/staging.hpp"
+#include "kfac/distributed/work_assignment.hpp"
+#include "kfac/error.hpp"
+
+namespace kfac {
+
+struct Kaisa {
+  using distribution_tag = void;
+  static constexpr const char* name = "kaisa";
+
+  template <class Exec, class Comm>
+  class State {
+   public:
+    using memory_space = typename Exec::memory_space;
+    explicit State(Comm comm) : comm_(std::move(comm)) {}
+
+    const Comm& comm() const { return comm_; }
+    /// The settings every rank must share.
+    std::string signature(const Options& o) const {
+      return "kaisa:f=" + std::to_string(o.grad_worker_fraction) +
+             ";c=" + std::to_string(int(o.assignment_cost)) +
+             ";co=" + std::to_string(int(o.colocate_factors)) +
+             ";p=" + std::to_string(int(o.comm_precision)) + ";";
+    }
+    /// Collective: true on every rank when every rank passed the same signature.
+    bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
+
+    /// Collective: assigns layers to worker groups and units to ranks, and (once) makes the
+    /// worker and receiver groups. `costs[l]` has one entry per unit of layer l (none for
+    /// skipped and closed-form layers).
+    void plan(const Options& o, const std::vector<std::vector<impl::UnitCost>>& costs) {
+      std::vector<std::vector<double>> c(costs.size());
+      for (std::size_t l = 0; l < costs.size(); ++l)
+        for (const auto& u : costs[l])
+          c[l].push_back(o.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
+      units_.clear();
+      for (const auto& u : costs) units_.push_back(int(u.size()));
+      assignment_ = WorkAssignment(comm_.size(), o.grad_worker_fraction, c, o.colocate_factors);
+      if (!groups_made_ && comm_.size() > 1) {
+        worker_ = comm_.split(assignment_.worker_group_of(comm_.rank()));
+        receiver_ = comm_.split(assignment_.receiver_group_of(comm_.rank()));
+        groups_made_ = true;
+      }
+    }
+    const WorkAssignment& assignment() const { return assignment_; }
+
+    /// This rank holds layer l's decompositions and preconditions it (closed forms: everyone).
+    bool holds(std::size_t l) const {
+      return units_.at(l) == 0 || assignment_.is_grad_worker(l, comm_.rank());
+    }
+    bool computes(std::size_t l, int u) const { return assignment_.decomposer(l, u) == comm_.rank(); }
+    /// Max over the ranks that share a decision (here: all).
+    long agree_max(long v) const { return comm_.allreduce_max(v); }
+
+    /// Averages the buffers over all ranks in buckets of at most bucket_bytes, per scalar size
+    /// (float first), symmetric factors as packed triangles; bit-identical on every rank.
+    void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
+      if (comm_.size() == 1) return;
+      for (std::size_t size : {std::size_t(4), std::size_t(8)}) {
+        std::vector<impl::FactorBuffer> mine;
+        std::vector<std::size_t> counts;
+        for (const auto& f : all)
+          if (f.storage.scalar_size == size) {
+            mine.push_back(f);
+            counts.push_back(f.payload_count());
+          }
+        for (const auto& bucket : impl::plan_buckets(counts, o.bucket_bytes / size, false)) {
+          if (size == 4) sum_bucket<float>(exec, mine, bucket, o.comm_precision);
+          else sum_bucket<double>(exec, mine, bucket, o.comm_precision);
+        }
+      }
+    }
+    /// Shares layer l's unit u from its decomposer with the rest of the worker group.
+    void share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
+      if (comm_.size() == 1) return;
+      const int root = assignment_.decomposer(l, u) % assignment_.grad_workers();
+      for (const auto& b : buffers) broadcast(b, root, worker_);
+    }
+    /// Sends layer l's preconditioned gradient from its worker group to the receivers.
+    void share_gradient(std::size_t l, const impl::Buffer& b) {
+      if (units_.at(l) == 0 || assignment_.grad_workers() == comm_.size()) return;
+      broadcast(b, assignment_.worker_group(l), receiver_);
+    }
+    /// True when some layer's gradient travels (a fence is needed before the broadcasts).
+    bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
+
+   private:
+    template <class T>
+    void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& items,
+                    const impl::Bucket& bucket, CommPrecision payload) {
+      const std::size_t count = impl::bucket_count(bucket);
+      if (staging_.extent(0) < count * sizeof(T))
+        staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * sizeof(T));
+      Kokkos::View<T*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(
+          reinterpret_cast<T*>(staging_.data()), count);
+      std::size_t off = 0;
+      for (const auto& p : bucket) {  // pack
+        impl::transfer_factor<Exec, T>(exec, items[p.item], flat, off, true);
+        off += p.count;
+      }
+      exec.fence();
+      impl::on_host<Exec>(comm_, flat.data(), count * sizeof(T),
+                          [&](void* p) { comm_.sum(p, count, sizeof(T), payload); });
+      const T inv_world = T(1) / T(comm_.size());
+      off = 0;
+      for (const auto& p : bucket) {  // unpack and average
+        impl::transfer_factor<Exec, T>(exec, items[p.item], flat, off, false, inv_world);
+        off += p.count;
+      }
+    }
+    void broadcast(const impl::Buffer& b, int root, const typename Comm::group_type& g) {
+      impl::on_host<Exec>(comm_, b.data, b.bytes(),
+                          [&](void* p) { comm_.broadcast(p, b.bytes(), root, g); });
+    }
+
+    Comm comm_;
+    WorkAssignment assignment_;
+    std::vector<int> units_;
+    bool groups_made_ = false;
+    typename Comm::group_type worker_{}, receiver_{};
+    Kokkos::View<char*, memory_space> staging_;
+  };
+};
+
+}  // namespace kfac

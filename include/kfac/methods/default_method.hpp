@@ -1,0 +1,42 @@
+#pragma once
+/// \file default_method.hpp
+/// \brief The method a layer type gets when register_layer is given none, and the mapping of
+/// the first API's policy lists (register_layer<Layer, Factor, Inversion, Prec>) onto methods.
+
+#include <type_traits>
+
+#include "kfac/layers/batch_norm.hpp"
+#include "kfac/methods/kfac/kfac_method.hpp"
+#include "kfac/methods/unit_wise/unit_wise_fisher.hpp"
+
+namespace kfac {
+
+/// \brief default_method<L>::type: KFAC<> for Dense and Conv2d, UnitWiseFisher<> for BatchNorm2d.
+/// Specialize it for a layer type of your own.
+template <class LayerType, class = void>
+struct default_method {
+  using type = KFAC<>;
+};
+template <>
+struct default_method<BatchNorm2d> {
+  using type = UnitWiseFisher<>;
+};
+
+namespace impl {
+template <class LayerType>
+struct default_factor {
+  using type = Symmetric;
+};
+template <>
+struct default_factor<BatchNorm2d> {
+  using type = UnitWise;
+};
+
+/// The method named by a policy list: K-FAC for Kronecker layers, the unit-wise Fisher otherwise.
+template <class LayerType, class FactorPolicy, class Inversion, class Prec>
+using method_from_policies =
+    std::conditional_t<LayerType::is_kronecker, KFAC<FactorPolicy, Inversion, Prec>,
+                       UnitWiseFisher<FactorPolicy, Prec>>;
+}  // namespace impl
+
+}  // namespace kfac

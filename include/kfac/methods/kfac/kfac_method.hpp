@@ -1,0 +1,69 @@
+#pragma once
+/// \file kfac_method.hpp
+/// \brief K-FAC as a method object (Martens & Grosse 2015; distributed as in KAISA, Pauloski
+/// et al. 2022): a factor policy, an inversion policy with its settings, and a precision.
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "kfac/methods/kfac/cholesky.hpp"
+#include "kfac/methods/kfac/eigendecomposition.hpp"
+#include "kfac/methods/kfac/factors.hpp"
+#include "kfac/methods/kfac/kronecker_block.hpp"
+#include "kfac/methods/kfac/newton_schulz.hpp"
+#include "kfac/methods/method_settings.hpp"
+
+namespace kfac {
+
+/// \brief Kronecker-factored preconditioning of a Dense or Conv2d layer,
+/// \f$(G \otimes A + \gamma I)^{-1}\f$ (or the factored-damping inverses of Cholesky / Newton–Schulz).
+///
+/// \tparam FactorPolicy Symmetric (default), Full or Diagonal.
+/// \tparam Inversion Eigendecomposition<> (default), Cholesky<> or NewtonSchulz; an object, so
+///         its settings (e.g. NewtonSchulz::with_max_iterations) travel with the method.
+/// \tparam Prec Precision<Factor, Decomposition>; ScalarPrecision = the Preconditioner's Scalar.
+///
+/// \code
+/// pre.register_layer("fc1", kfac::Dense(784, 256),
+///                    kfac::KFAC<kfac::Full, kfac::NewtonSchulz>(kfac::NewtonSchulz{}.with_max_iterations(50))
+///                        .with_damping(3e-3).with_inv_update_steps(20));
+/// \endcode
+template <class FactorPolicy = Symmetric, class Inversion = Eigendecomposition<>,
+          class Prec = ScalarPrecision>
+struct KFAC : impl::LayerOverrides<KFAC<FactorPolicy, Inversion, Prec>> {
+  static_assert(!std::is_same<FactorPolicy, UnitWise>::value,
+                "kfac::KFAC: UnitWise is a BatchNorm2d approximation; use kfac::UnitWiseFisher");
+  static_assert(!FactorPolicy::is_diagonal || std::is_same<Inversion, Eigendecomposition<>>::value,
+                "kfac::KFAC: Diagonal factors are inverted in closed form; leave the inversion "
+                "policy at its default");
+  using method_tag = void;
+  using factor_policy = FactorPolicy;
+  using inversion_type = Inversion;
+  static constexpr const char* name = "kfac";
+
+  Inversion inversion{};
+
+  KFAC() = default;
+  explicit KFAC(Inversion inv) : inversion(std::move(inv)) {}
+  KFAC& with_inversion(Inversion inv) {
+    inversion = std::move(inv);
+    return *this;
+  }
+
+  template <class LayerType>
+  static constexpr bool accepts = LayerType::is_kronecker;
+
+  /// The typed per-layer state, once the layer, Scalar and Exec are known.
+  template <class LayerType, class Scalar, class Exec>
+  using block_type = KroneckerLayer<LayerType, FactorPolicy, Inversion,
+                                    impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>;
+
+  template <class Scalar, class Exec, class LayerType>
+  std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
+                                                       const LayerType& layer) const {
+    return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer, inversion);
+  }
+};
+
+}  // namespace kfac

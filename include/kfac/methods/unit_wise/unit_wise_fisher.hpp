@@ -1,0 +1,37 @@
+#pragma once
+/// \file unit_wise_fisher.hpp
+/// \brief BatchNorm's unit-wise (or diagonal) Fisher as a method object (Osawa et al. 2019).
+
+#include <memory>
+#include <string>
+
+#include "kfac/methods/method_settings.hpp"
+#include "kfac/methods/unit_wise/batch_norm_block.hpp"
+
+namespace kfac {
+
+/// \brief Per-channel 2x2 Fisher blocks over \f$(\gamma_c, \beta_c)\f$ of a BatchNorm2d,
+/// inverted in closed form.
+/// \tparam Approx UnitWise (default: the 2x2 blocks) or Diagonal (their diagonals).
+/// \tparam Prec Precision<Factor, Decomposition>; ScalarPrecision = the Preconditioner's Scalar.
+template <class Approx = UnitWise, class Prec = ScalarPrecision>
+struct UnitWiseFisher : impl::LayerOverrides<UnitWiseFisher<Approx, Prec>> {
+  static_assert(std::is_same<Approx, UnitWise>::value || std::is_same<Approx, Diagonal>::value,
+                "kfac::UnitWiseFisher: the approximation is kfac::UnitWise or kfac::Diagonal");
+  using method_tag = void;
+  static constexpr const char* name = "unit_wise";
+
+  template <class LayerType>
+  static constexpr bool accepts = std::is_same<LayerType, BatchNorm2d>::value;
+
+  template <class LayerType, class Scalar, class Exec>
+  using block_type = BatchNormLayer<Approx, impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>;
+
+  template <class Scalar, class Exec, class LayerType>
+  std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
+                                                       const LayerType& layer) const {
+    return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer);
+  }
+};
+
+}  // namespace kfac
