@@ -159,33 +159,16 @@ class Preconditioner {
       due[l] = {factor_due(e), step_ >= e.schedule.next_inv, e.values_at(options_, step_)};
     }
     if (options_.nonfinite == NonFinitePolicy::skip) {
-      for (std::size_t l = 0; l < reg_.size(); ++l) {
-        const auto& e = reg_[l];
-        if (!e.skipped && ((e.has_gradient && (impl::count_nonfinite(exec_, e.w) > 0 || impl::count_nonfinite(exec_, e.b) > 0)) ||
-                           (due[l].factor && e.block->observations_overflow())))
-          poisoned_ = true;
-      }
+      poisoned_ = poisoned_ || impl::nonfinite_step(reg_, due, exec_);
       if (dist_.agree_max(poisoned_ ? 1L : 0L) > 0) return skip_step();
     }
-    validate(due);
+    impl::validate_step(reg_, due, options_, exec_, step_);
     if (!registration_checked_) check_registration();
     impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, options_, due);
     phases.update_statistics();
     const long retries = phases.decompose();  // on failure: restored, and throws on every rank
     damping_retries_ += retries;
-    for (std::size_t l = 0; l < reg_.size(); ++l) {
-      auto& e = reg_[l];
-      auto& s = e.schedule;
-      if (due[l].factor) {
-        e.block->clear_observations();
-        s.last_factor = last_factor_step_ = step_;
-        s.next_factor = step_ + due[l].values.factor_update_steps;
-      }
-      if (due[l].inv) {
-        s.last_inv = last_inv_step_ = step_;
-        s.next_inv = step_ + due[l].values.inv_update_steps;
-      }
-    }
+    phases.commit(step_, last_factor_step_, last_inv_step_);
     phases.precondition();
     // Every rank holds every V now, so every rank computes the same KL-clip scale.
     double vg = 0;
@@ -225,12 +208,7 @@ class Preconditioner {
   /// \brief Writes the whole state (statistics, decompositions unless told not to, schedules,
   /// layer names and signatures) as a versioned, checksummed stream (format: serializer.hpp).
   void save(std::ostream& os, bool with_decompositions = true) const {
-    long next_factor = step_, next_inv = step_;
-    for (const auto& e : reg_.entries()) {
-      next_factor = std::min(next_factor, e.schedule.next_factor);
-      next_inv = std::min(next_inv, e.schedule.next_inv);
-    }
-    const long counters[5] = {step_, next_factor, next_inv, last_factor_step_, last_inv_step_};
+    const long counters[3] = {step_, last_factor_step_, last_inv_step_};
     impl::save_checkpoint(os, reg_, counters, communicator().size(), communicator().rank(), with_decompositions);
   }
   /// \brief Restores a state written by save() (format version 2, or 1 from kfac 0.1). Checks
@@ -283,27 +261,6 @@ class Preconditioner {
   using dist_type = typename Distribution::template State<Exec, Comm>;
 
   bool factor_due(const entry_type& e) const { return step_ >= e.schedule.next_factor; }
-
-  /// Everything step() needs, checked before anything changes.
-  void validate(const std::vector<impl::Due>& due) const {
-    for (std::size_t l = 0; l < reg_.size(); ++l) {
-      const auto& e = reg_[l];
-      if (e.skipped) continue;
-      const auto& n = e.block->name();
-      if (!e.has_gradient)
-        throw Error(n, "no gradient was set for step " + std::to_string(step_) + " (call set_gradient before step)");
-      if (options_.nonfinite == NonFinitePolicy::raise) {
-        const long bad = impl::count_nonfinite(exec_, e.w) + impl::count_nonfinite(exec_, e.b);
-        if (bad > 0) throw Error(n, "gradient contains " + std::to_string(bad) + " NaN/Inf value(s) at step " + std::to_string(step_));
-      }
-      if (due[l].factor) {
-        const std::string why = e.block->observations_problem();
-        if (!why.empty()) throw Error(n, why + " before the factor update at step " + std::to_string(step_));
-      } else if (!e.block->has_statistics()) {
-        throw Error(n, "has no factors yet: it must be observed on a factor-update step before it can be preconditioned");
-      }
-    }
-  }
 
   void skip_step() {
     for (auto& e : reg_.entries()) {

@@ -71,11 +71,17 @@ void from_host_bytes(const Buffer& b, const char* src) {
 }
 
 /// Writes a version-2 checkpoint of `reg`.
+/// `clock` = step, last statistics step, last decomposition step.
 template <class Scalar, class Exec>
-void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const long (&counters)[5],
+void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const long (&clock)[3],
                      int world, int rank, bool with_decompositions) {
+  long next_factor = clock[0], next_inv = clock[0];
+  for (const auto& e : reg.entries()) {
+    next_factor = std::min(next_factor, e.schedule.next_factor);
+    next_inv = std::min(next_inv, e.schedule.next_inv);
+  }
   ByteWriter w;
-  for (long v : counters) w.put(std::int64_t(v));
+  for (long v : {clock[0], next_factor, next_inv, clock[1], clock[2]}) w.put(std::int64_t(v));
   w.put(std::int32_t(world));
   w.put(std::int32_t(rank));
   w.put(std::uint32_t(with_decompositions ? 1 : 0));

@@ -107,6 +107,23 @@ class StepPhases {
     return retries;
   }
 
+  /// The step succeeded: observations are consumed and the schedules advance.
+  void commit(long step, long& last_factor, long& last_inv) {
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      auto& e = reg_[l];
+      auto& s = e.schedule;
+      if (due_[l].factor) {
+        e.block->clear_observations();
+        s.last_factor = last_factor = step;
+        s.next_factor = step + due_[l].values.factor_update_steps;
+      }
+      if (due_[l].inv) {
+        s.last_inv = last_inv = step;
+        s.next_inv = step + due_[l].values.inv_update_steps;
+      }
+    }
+  }
+
   /// Holders precondition their layers; receivers get V from their group's holder. Every rank
   /// first preconditions all of its own layers and only then takes part in the broadcasts, so
   /// that under MEM-OPT/HYBRID the ranks' GEMMs overlap instead of taking turns.

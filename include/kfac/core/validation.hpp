@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "kfac/core/block.hpp"
+#include "kfac/core/options.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
@@ -69,6 +70,41 @@ void take_gradient(Entry& entry, const W& weight, const B& bias) {
   entry.w = GradMatrix<Scalar, Exec>(const_cast<Scalar*>(weight.data()), rows, cols);
   entry.b = GradVector<Scalar, Exec>(const_cast<Scalar*>(bias.data()), bias.extent(0));
   entry.has_gradient = true;
+}
+
+/// Everything step() needs, checked before anything changes; throws kfac::Error naming the layer.
+template <class Registry, class DueList, class Exec>
+void validate_step(const Registry& reg, const DueList& due, const Options& o, const Exec& exec, long step) {
+  for (std::size_t l = 0; l < reg.size(); ++l) {
+    const auto& e = reg[l];
+    if (e.skipped) continue;
+    const auto& n = e.block->name();
+    if (!e.has_gradient)
+      throw Error(n, "no gradient was set for step " + std::to_string(step) + " (call set_gradient before step)");
+    if (o.nonfinite == NonFinitePolicy::raise) {
+      const long bad = count_nonfinite(exec, e.w) + count_nonfinite(exec, e.b);
+      if (bad > 0)
+        throw Error(n, "gradient contains " + std::to_string(bad) + " NaN/Inf value(s) at step " + std::to_string(step));
+    }
+    if (due[l].factor) {
+      const std::string why = e.block->observations_problem();
+      if (!why.empty()) throw Error(n, why + " before the factor update at step " + std::to_string(step));
+    } else if (!e.block->has_statistics()) {
+      throw Error(n, "has no factors yet: it must be observed on a factor-update step before it can be preconditioned");
+    }
+  }
+}
+
+/// True when some layer's gradient has NaN/Inf, or its due observations would overflow.
+template <class Registry, class DueList, class Exec>
+bool nonfinite_step(const Registry& reg, const DueList& due, const Exec& exec) {
+  for (std::size_t l = 0; l < reg.size(); ++l) {
+    const auto& e = reg[l];
+    if (e.skipped) continue;
+    if (e.has_gradient && (count_nonfinite(exec, e.w) > 0 || count_nonfinite(exec, e.b) > 0)) return true;
+    if (due[l].factor && e.block->observations_overflow()) return true;
+  }
+  return false;
 }
 
 }  // namespace impl

@@ -1,0 +1,174 @@
+#pragma once
+// A third method defined outside the library, to check that the Block interface is all a method
+// needs: ScaledIdentity preconditions a Dense layer with V = X / (s + damping), s a running
+// average of the mean squared observed input (averaged over the ranks), and keeps a private
+// count of the micro-batches it observed (checkpointed, never averaged). Its one decomposable
+// unit computes 1 / (s + damping); toy_fail makes decompose() fail on demand.
+#include <Kokkos_Core.hpp>
+#include <limits>
+#include <memory>
+#include <new>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <kfac/kfac.hpp>
+
+namespace kfac_test {
+
+/// How ScaledIdentity's decompose() fails on this process (none: it succeeds).
+enum class ToyFailure { none, error, bad_alloc, nan };
+inline ToyFailure toy_fail = ToyFailure::none;
+/// decompose() calls on this process, failed or not.
+inline long toy_decompose_calls = 0;
+
+template <class Scalar, class Exec>
+class ScaledIdentityBlock final : public kfac::impl::Block<Scalar, Exec> {
+  using base = kfac::impl::Block<Scalar, Exec>;
+  using M = typename Exec::memory_space;
+  static_assert(Kokkos::SpaceAccessibility<Kokkos::HostSpace, M>::accessible,
+                "the toy method computes on the host");
+  using Vec = Kokkos::View<double*, M>;
+  using Mat = Kokkos::View<double**, Kokkos::LayoutRight, M>;
+
+ public:
+  using typename base::grad_matrix;
+  using typename base::grad_vector;
+  using typename base::tensor_type;
+
+  ScaledIdentityBlock(std::string name, const kfac::Dense& layer) : base(std::move(name)), layer_(layer) {}
+
+  const char* kind() const override { return "toy"; }
+  std::string signature() const override { return layer_.describe() + "/scaled_identity"; }
+  kfac::index_t weight_rows() const override { return layer_.out(); }
+  kfac::index_t weight_cols() const override { return layer_.in(); }
+  bool has_bias() const override { return layer_.bias(); }
+
+  std::string check_input(const kfac::impl::Extents& e) const override { return layer_.check_input(e); }
+  std::string check_output_grad(const kfac::impl::Extents& e) const override {
+    return layer_.check_output_grad(e, e);
+  }
+  void observe_input(const Exec&, const tensor_type& x) override {
+    for (std::size_t i = 0; i < x.span(); ++i) sumsq_ += double(x.data()[i]) * double(x.data()[i]);
+    count_ += double(x.span());
+    ++inputs_;
+  }
+  void observe_output_grad(const Exec&, const tensor_type&, double) override {}
+  std::string observations_problem() const override {
+    return inputs_ == 0 ? "no observations were given" : std::string();
+  }
+  bool observations_overflow() const override { return false; }
+  void clear_observations() override { sumsq_ = count_ = 0; inputs_ = 0; }
+
+  void update_statistics(const Exec&, double decay) override {
+    allocate_state_buffers();
+    const double m = sumsq_ / count_;
+    s_(0) = has_ ? decay * s_(0) + (1 - decay) * m : m;
+    counter_(0) += double(inputs_);
+    has_ = true;
+  }
+  bool has_statistics() const override { return has_; }
+  std::vector<kfac::impl::FactorBuffer> averaged_state() override {
+    return {{kfac::impl::buffer_of(s_), 1, false, false}};
+  }
+  std::vector<kfac::impl::Buffer> checkpoint_state() override {
+    return {kfac::impl::buffer_of(s_), kfac::impl::buffer_of(counter_)};
+  }
+  std::vector<kfac::impl::BufferShape> checkpoint_shapes() const override { return {{1, 8}, {1, 8}}; }
+  void allocate_state() override { allocate_state_buffers(); has_ = true; }
+  void release_state() override { s_ = Vec(); counter_ = Vec(); has_ = false; }
+
+  int units() const override { return 1; }
+  kfac::impl::UnitCost unit_cost(int) const override { return {1.0, 1.0}; }
+  std::vector<kfac::impl::BufferShape> unit_shapes(int) const override { return {{1, 8}}; }
+  void allocate_units() override {
+    if (inv_.extent(0) == 0) inv_ = Vec("toy::inv", 1);
+  }
+  void release_units() override { inv_ = Vec(); }
+  void decompose(const Exec&, int, double damping) override {
+    allocate_units();
+    ++toy_decompose_calls;
+    // A failing call leaves its buffer scribbled on: the rollback must undo that.
+    switch (toy_fail) {
+      case ToyFailure::error: inv_(0) = -1; throw kfac::Error(this->name(), "toy decomposition refused");
+      case ToyFailure::bad_alloc: inv_(0) = -1; throw std::bad_alloc();
+      case ToyFailure::nan: inv_(0) = std::numeric_limits<double>::quiet_NaN(); return;
+      case ToyFailure::none: break;
+    }
+    inv_(0) = 1.0 / (s_(0) + damping);
+  }
+  std::vector<kfac::impl::Buffer> unit_buffers(int) override { return {kfac::impl::buffer_of(inv_)}; }
+
+  void load_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
+    const int rows = int(layer_.out()), cols = int(layer_.in()) + (layer_.bias() ? 1 : 0);
+    if (x_.extent(0) == 0) { x_ = Mat("toy::x", rows, cols); out_ = Mat("toy::out", rows, cols); }
+    for (int i = 0; i < rows; ++i) {
+      for (int j = 0; j < int(layer_.in()); ++j) x_(i, j) = double(w(i, j));
+      if (layer_.bias()) x_(i, cols - 1) = double(b(i));
+    }
+  }
+  void apply(const Exec&, double) override {
+    for (std::size_t i = 0; i < x_.span(); ++i) out_.data()[i] = x_.data()[i] * inv_(0);
+  }
+  double inner_product(const Exec&) const override {
+    double s = 0;
+    for (std::size_t i = 0; i < x_.span(); ++i) s += out_.data()[i] * x_.data()[i];
+    return s;
+  }
+  kfac::impl::Buffer preconditioned() override { return kfac::impl::buffer_of(out_); }
+  void write_back(const Exec&, const grad_matrix& w, const grad_vector& b, double nu) override {
+    const int cols = int(out_.extent(1));
+    for (int i = 0; i < int(layer_.out()); ++i) {
+      for (int j = 0; j < int(layer_.in()); ++j) w(i, j) = Scalar(nu * out_(i, j));
+      if (layer_.bias()) b(i) = Scalar(nu * out_(i, cols - 1));
+    }
+  }
+  kfac::MemoryReport memory() const override {
+    return {this->name(), kind(), (s_.span() + counter_.span()) * 8, inv_.span() * 8,
+            (x_.span() + out_.span()) * 8};
+  }
+  kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
+    const std::size_t x = std::size_t(layer_.out()) * (layer_.in() + (layer_.bias() ? 1 : 0));
+    if (skipped) return {this->name(), kind(), 0, 0, 0};
+    return {this->name(), kind(), 16, holder ? 8u : 0u, 2 * x * 8};
+  }
+
+  double statistic() const { return has_ ? s_(0) : -1; }
+  double counter() const { return has_ ? counter_(0) : -1; }
+  double inverse() const { return inv_.extent(0) ? inv_(0) : -1; }
+
+ private:
+  void allocate_state_buffers() {
+    if (s_.extent(0) == 0) { s_ = Vec("toy::s", 1); counter_ = Vec("toy::counter", 1); }
+  }
+
+  kfac::Dense layer_;
+  double sumsq_ = 0, count_ = 0;
+  long inputs_ = 0;
+  bool has_ = false;
+  Vec s_, counter_, inv_;
+  Mat x_, out_;
+};
+
+/// \brief The toy method object: V = X / (s + damping).
+struct ScaledIdentity : kfac::impl::LayerOverrides<ScaledIdentity> {
+  using method_tag = void;
+  static constexpr const char* name = "scaled_identity";
+  template <class L>
+  static constexpr bool accepts = std::is_same<L, kfac::Dense>::value;
+  template <class Scalar, class Exec, class LayerType>
+  std::unique_ptr<kfac::impl::Block<Scalar, Exec>> make_block(const std::string& n, const LayerType& layer) const {
+    return std::make_unique<ScaledIdentityBlock<Scalar, Exec>>(n, layer);
+  }
+};
+
+template <class Exec = Kokkos::DefaultHostExecutionSpace>
+using ToyBlock = ScaledIdentityBlock<double, Exec>;
+
+/// Sets toy_fail for the lifetime of the object.
+struct ToyFailScope {
+  explicit ToyFailScope(ToyFailure f) { toy_fail = f; }
+  ~ToyFailScope() { toy_fail = ToyFailure::none; }
+};
+
+}  // namespace kfac_test
