@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kfac/checkpoint/serializer.hpp"
+#include "kfac/core/agreement.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/core/step_phases.hpp"
 #include "kfac/core/traits.hpp"
@@ -23,10 +24,6 @@
 #include "kfac/methods/default_method.hpp"
 
 namespace kfac {
-
-namespace impl {
-struct UnsetPolicy {};
-}  // namespace impl
 
 /// \brief Preconditions the gradients of a set of named layers, each under its own method.
 ///
@@ -86,11 +83,7 @@ class Preconditioner {
   void register_layer(const std::string& name, const LayerType& layer) {
     static_assert(impl::is_precision<Prec>::value, "kfac: Prec must be a kfac::Precision<...>");
     static_assert(is_inversion_v<Inversion>, "kfac: the inversion policy must be Eigendecomposition<>, Cholesky<> or NewtonSchulz");
-    if constexpr (std::is_same<FactorPolicy, impl::UnsetPolicy>::value &&
-                  std::is_same<Inversion, Eigendecomposition<>>::value && std::is_same<Prec, Precision<Scalar>>::value)
-      register_layer(name, layer, typename default_method<LayerType>::type{});
-    else
-      register_layer(name, layer, impl::method_from_policies<LayerType, std::conditional_t<std::is_same<FactorPolicy, impl::UnsetPolicy>::value, typename impl::default_factor<LayerType>::type, FactorPolicy>, Inversion, Prec>{});
+    register_layer(name, layer, impl::method_for<LayerType, FactorPolicy, Inversion, Prec, Scalar>{});
   }
 
   /// \brief True on steps that update some layer's statistics (observations are used only then).
@@ -126,8 +119,9 @@ class Preconditioner {
     auto t = impl::as_tensor<Scalar, Exec>(name, x, "input");
     impl::fail_if(name, e.block->check_input(impl::extents_of(t)));
     if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
-    if (!factor_due(e) || e.skipped) return;
-    if (check_finite(name, t, "input")) e.block->observe_input(exec_, t);
+    if (!factor_due(e) || e.skipped || e.poisoned) return;  // a poisoned layer ignores the rest of its step
+    if (impl::check_finite(exec_, options_, name, t, "input")) e.block->observe_input(exec_, t);
+    else poisoned_ = e.poisoned = true;
   }
   /// \brief The gradient of the loss with respect to the layer's output (pre-activation),
   /// as the host framework computed it for the reduced loss (see Options::loss_reduction).
@@ -136,9 +130,9 @@ class Preconditioner {
     auto& e = reg_.at(name);
     auto t = impl::as_tensor<Scalar, Exec>(name, g, "output gradient");
     if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
-    if (!factor_due(e) || e.skipped) return;
+    if (!factor_due(e) || e.skipped || e.poisoned) return;
     impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t)));
-    if (!check_finite(name, t, "output gradient")) return;
+    if (!impl::check_finite(exec_, options_, name, t, "output gradient")) return void(poisoned_ = e.poisoned = true);
     e.block->observe_output_grad(exec_, t, options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0);
   }
   /// \brief The gradient to precondition in place at the next step(): the weight gradient
@@ -152,17 +146,23 @@ class Preconditioner {
 
   /// \brief Runs one step; see the class description. On a kfac::Error nothing changed.
   void step() {
-    const StepValues v = StepValues::at(options_, step_);
+    // Everything this rank can find wrong is found before the step's first collective, and
+    // agreed on in one allreduce: every rank throws the same error, or skips, together.
     std::vector<impl::Due> due(reg_.size());
-    for (std::size_t l = 0; l < reg_.size(); ++l) {
-      const auto& e = reg_[l];
-      due[l] = {factor_due(e), step_ >= e.schedule.next_inv, e.values_at(options_, step_)};
+    impl::LocalVerdict mine;
+    StepValues v{};
+    try {
+      v = StepValues::at(options_, step_);
+      for (std::size_t l = 0; l < reg_.size(); ++l)
+        due[l] = {factor_due(reg_[l]), step_ >= reg_[l].schedule.next_inv, reg_[l].values_at(options_, step_)};
+      mine.poisoned = poisoned_ || (options_.nonfinite == NonFinitePolicy::skip && impl::nonfinite_step(reg_, due, exec_));
+      impl::validate_step(reg_, due, options_, exec_, step_, mine.poisoned);
+    } catch (const Error& e) {
+      mine.error = e;
     }
-    if (options_.nonfinite == NonFinitePolicy::skip) {
-      poisoned_ = poisoned_ || impl::nonfinite_step(reg_, due, exec_);
-      if (dist_.agree_max(poisoned_ ? 1L : 0L) > 0) return skip_step();
-    }
-    impl::validate_step(reg_, due, options_, exec_, step_);
+    mine.registration = impl::fnv1a(registration_signature());
+    mine.sequence = impl::sequence_hash(step_, due, options_);
+    if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size())) return skip_step();
     if (!registration_checked_) check_registration();
     impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, options_, due);
     phases.update_statistics();
@@ -185,8 +185,7 @@ class Preconditioner {
   /// distribution options, and (re)computes the work assignment; layers this rank no longer
   /// holds release their decompositions. Called by the first step() after a registration.
   void check_registration() {
-    std::string sig = dist_.signature(options_);
-    for (const auto& e : reg_.entries()) sig += e.block->name() + ":" + e.block->signature() + (e.skipped ? ":skip" : "") + ";";
+    const std::string sig = registration_signature();
     if (!dist_.check_same(sig))
       throw Error("", "ranks registered different layers, shapes, policies or distribution "
                       "options (rank " + std::to_string(communicator().rank()) + " has: " + sig + ")");
@@ -261,11 +260,17 @@ class Preconditioner {
   using dist_type = typename Distribution::template State<Exec, Comm>;
 
   bool factor_due(const entry_type& e) const { return step_ >= e.schedule.next_factor; }
+  std::string registration_signature() const {
+    std::string sig = dist_.signature(options_);
+    for (const auto& e : reg_.entries()) sig += e.block->name() + ":" + e.block->signature() + (e.skipped ? ":skip" : "") + ";";
+    return sig;
+  }
 
   void skip_step() {
     for (auto& e : reg_.entries()) {
       e.block->clear_observations();
       e.clear_gradient();
+      e.poisoned = false;
     }
     poisoned_ = false;
     ++skipped_steps_;
@@ -277,15 +282,6 @@ class Preconditioner {
       if (s == name || s == kind) return true;
     return false;
   }
-  /// False (and the step poisoned) when t has non-finite values under NonFinitePolicy::skip.
-  template <class T>
-  bool check_finite(const std::string& name, const T& t, const char* what) {
-    const long bad = impl::count_nonfinite(exec_, t);
-    if (bad == 0) return true;
-    if (options_.nonfinite == NonFinitePolicy::skip) return poisoned_ = true, false;
-    throw Error(name, std::string(what) + " contains " + std::to_string(bad) + " NaN/Inf value(s); the observation was not used");
-  }
-
   Options options_;
   Exec exec_;
   dist_type dist_;

@@ -39,6 +39,7 @@ struct FactorBuffer {
   index_t n = 0;
   bool matrix = false;  ///< n x n matrix (else a flat vector of n values)
   bool packed = false;  ///< matrix travels as its upper triangle
+  const void* base = nullptr;  ///< the value before this step's update, to send the increment
   std::size_t payload_count() const {
     return matrix ? (packed ? std::size_t(n) * (n + 1) / 2 : std::size_t(n) * n) : std::size_t(n);
   }
@@ -157,21 +158,28 @@ Buffer buffer_of(const V& v) {
 /// Copies factor `f` to (`to_flat`) or from a flat buffer starting at `offset`, in its payload
 /// form: the packed upper triangle column by column (A(0,0), A(0,1), A(1,1), A(0,2), ...), the
 /// whole column-major matrix, or the flat vector. Values read from the flat buffer are scaled.
+///
+/// With a `base` (a buffer of f's shape: the value before this step's update), the increment
+/// travels instead: to_flat writes f - base, and reading sets f = base + scale * flat. Averaging
+/// increments in a reduced-precision payload rounds the increment, not the running average, so
+/// the average converges to the native one (rounding the average itself stalls it).
 template <class Exec, class T, class Flat>
 void transfer_factor(const Exec& exec, const FactorBuffer& f, const Flat& flat, std::size_t offset,
-                     bool to_flat, T scale = T(1)) {
+                     bool to_flat, T scale = T(1), const T* base = nullptr) {
   T* data = static_cast<T*>(f.storage.data);
   const std::size_t o = offset;
+  const bool inc = base != nullptr;
   if (!f.matrix) {
     Kokkos::parallel_for(
         "kfac::comm::transfer_vector", Kokkos::RangePolicy<Exec>(exec, 0, f.n), KOKKOS_LAMBDA(int i) {
-          if (to_flat) flat(o + i) = data[i]; else data[i] = flat(o + i) * scale;
+          const T b = inc ? base[i] : T(0);
+          if (to_flat) flat(o + i) = data[i] - b; else data[i] = b + flat(o + i) * scale;
         });
     return;
   }
-  Kokkos::View<T**, Kokkos::LayoutLeft, typename Exec::memory_space,
-               Kokkos::MemoryTraits<Kokkos::Unmanaged>>
-      m(data, f.n, f.n);
+  using M = Kokkos::View<T**, Kokkos::LayoutLeft, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  M m(data, f.n, f.n);
+  M bm(const_cast<T*>(inc ? base : data), f.n, f.n);
   const int n = f.n;
   const bool packed = f.packed;
   Kokkos::parallel_for(
@@ -179,7 +187,8 @@ void transfer_factor(const Exec& exec, const FactorBuffer& f, const Flat& flat, 
         const std::size_t col = packed ? o + std::size_t(j) * (j + 1) / 2 : o + std::size_t(j) * n;
         const int rows = packed ? j + 1 : n;
         for (int i = 0; i < rows; ++i) {
-          if (to_flat) flat(col + i) = m(i, j); else m(i, j) = flat(col + i) * scale;
+          const T b = inc ? bm(i, j) : T(0);
+          if (to_flat) flat(col + i) = m(i, j) - b; else m(i, j) = b + flat(col + i) * scale;
         }
       });
 }

@@ -31,6 +31,7 @@ struct Entry {
   bool decomposed = false;  ///< this rank holds a usable decomposition (closed forms: "finished")
   double decomposition_damping = 0;
   bool has_gradient = false;
+  bool poisoned = false;  ///< an observation of this step was dropped (NaN/Inf under skip)
   typename block_type::grad_matrix w;
   typename block_type::grad_vector b;
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kfac/core/backup.hpp"
+#include "kfac/distributed/comm_precision.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/error.hpp"
 
@@ -49,10 +50,15 @@ class StepPhases {
       auto& e = reg_[l];
       had_state_.push_back(e.block->has_statistics());
       if (e.skipped || !due_[l].factor) continue;
-      if (decomposes && e.block->has_statistics())
+      const bool had = e.block->has_statistics();
+      if (decomposes && had)
         for (const auto& b : e.block->checkpoint_state()) backup_.save(exec_, b);
+      std::vector<FactorBuffer> mine = e.block->averaged_state();
+      for (auto& f : mine)  // reduced-precision payloads carry the increment over the old value
+        if (had && dist_.sends_increments(o_, f.storage.scalar_size)) f.base = keep(f.storage);
       e.block->update_statistics(exec_, due_[l].values.factor_decay);
       for (const auto& f : e.block->averaged_state()) averaged.push_back(f);
+      for (std::size_t k = 0; k < mine.size(); ++k) averaged[averaged.size() - mine.size() + k].base = mine[k].base;
     }
     dist_.average(exec_, averaged, o_);
   }
@@ -170,11 +176,22 @@ class StepPhases {
     }
   }
 
+  /// A copy of `b` that lives until the end of the step.
+  const void* keep(const Buffer& b) {
+    Kokkos::View<char*, typename Exec::memory_space> copy(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::comm::base"), b.bytes());
+    Kokkos::deep_copy(exec_, copy, Kokkos::View<char*, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(static_cast<char*>(b.data), b.bytes()));
+    kept_.push_back(copy);
+    return copy.data();
+  }
+
   /// Puts statistics and decompositions back as they were before this step.
   void rollback() {
     backup_.restore(exec_);
-    for (std::size_t l = 0; l < reg_.size(); ++l)
-      if (!had_state_[l] && reg_[l].block->has_statistics()) reg_[l].block->release_state();
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      auto& e = reg_[l];
+      if (!had_state_[l] && e.block->has_statistics()) e.block->release_state();
+      if (!e.decomposed && e.block->units() > 0) e.block->release_units();  // allocated by this step
+    }
   }
 
   const Exec& exec_;
@@ -184,6 +201,7 @@ class StepPhases {
   const std::vector<Due>& due_;
   StateBackup<Exec> backup_;
   std::vector<char> had_state_;
+  std::vector<Kokkos::View<char*, typename Exec::memory_space>> kept_;
 };
 
 }  // namespace impl

@@ -73,8 +73,11 @@ void take_gradient(Entry& entry, const W& weight, const B& bias) {
 }
 
 /// Everything step() needs, checked before anything changes; throws kfac::Error naming the layer.
+/// `poisoned`: the step will be skipped (NaN/Inf under the skip policy), so its observations
+/// are not checked.
 template <class Registry, class DueList, class Exec>
-void validate_step(const Registry& reg, const DueList& due, const Options& o, const Exec& exec, long step) {
+void validate_step(const Registry& reg, const DueList& due, const Options& o, const Exec& exec, long step,
+                   bool poisoned) {
   for (std::size_t l = 0; l < reg.size(); ++l) {
     const auto& e = reg[l];
     if (e.skipped) continue;
@@ -86,13 +89,22 @@ void validate_step(const Registry& reg, const DueList& due, const Options& o, co
       if (bad > 0)
         throw Error(n, "gradient contains " + std::to_string(bad) + " NaN/Inf value(s) at step " + std::to_string(step));
     }
-    if (due[l].factor) {
+    if (due[l].factor && !poisoned) {
       const std::string why = e.block->observations_problem();
       if (!why.empty()) throw Error(n, why + " before the factor update at step " + std::to_string(step));
-    } else if (!e.block->has_statistics()) {
+    } else if (!due[l].factor && !e.block->has_statistics()) {
       throw Error(n, "has no factors yet: it must be observed on a factor-update step before it can be preconditioned");
     }
   }
+}
+
+/// False when `t` has NaN/Inf and the policy is skip; throws under raise.
+template <class Exec, class T>
+bool check_finite(const Exec& exec, const Options& o, const std::string& name, const T& t, const char* what) {
+  const long bad = count_nonfinite(exec, t);
+  if (bad == 0) return true;
+  if (o.nonfinite == NonFinitePolicy::skip) return false;
+  throw Error(name, std::string(what) + " contains " + std::to_string(bad) + " NaN/Inf value(s); the observation was not used");
 }
 
 /// True when some layer's gradient has NaN/Inf, or its due observations would overflow.

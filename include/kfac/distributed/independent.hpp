@@ -35,6 +35,11 @@ struct Independent {
     bool holds(std::size_t) const { return true; }
     bool computes(std::size_t, int) const { return true; }
     long agree_max(long v) const { return v; }
+    void agree_max(long*, int) const {}
+    std::string share_message(const std::string& s, int) const { return s; }
+    /// Ranks decide alone: the agreement at the top of a step involves only this rank.
+    int agreement_size() const { return 1; }
+    bool sends_increments(const Options&, std::size_t) const { return false; }
     void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
     void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}
     void share_gradient(std::size_t, const impl::Buffer&) {}

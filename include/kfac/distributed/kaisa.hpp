@@ -70,7 +70,18 @@ struct Kaisa {
     bool computes(std::size_t l, int u) const { return assignment_.decomposer(l, u) == comm_.rank(); }
     /// Max over the ranks that share a decision (here: all).
     long agree_max(long v) const { return comm_.allreduce_max(v); }
+    void agree_max(long* v, int n) const { comm_.allreduce_max(v, n); }
+    /// Ranks that take part in the agreement at the top of a step (all).
+    int agreement_size() const { return comm_.size(); }
+    std::string share_message(const std::string& s, int root) const { return comm_.broadcast_string(s, root); }
 
+    /// True when a reduced-precision payload narrower than `scalar_size` is in use: the
+    /// statistics then travel as increments (FactorBuffer::base).
+    bool sends_increments(const Options& o, std::size_t scalar_size) const {
+      if (comm_.size() == 1) return false;
+      return o.comm_precision == CommPrecision::bfloat16 ||
+             (o.comm_precision == CommPrecision::float32 && scalar_size == 8);
+    }
     /// Averages the buffers over all ranks in buckets of at most bucket_bytes, per scalar size
     /// (float first), symmetric factors as packed triangles; bit-identical on every rank.
     void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
@@ -114,7 +125,8 @@ struct Kaisa {
           reinterpret_cast<T*>(staging_.data()), count);
       std::size_t off = 0;
       for (const auto& p : bucket) {  // pack
-        impl::transfer_factor<Exec, T>(exec, items[p.item], flat, off, true);
+        const auto& f = items[p.item];
+        impl::transfer_factor<Exec, T>(exec, f, flat, off, true, T(1), static_cast<const T*>(f.base));
         off += p.count;
       }
       exec.fence();
@@ -123,7 +135,8 @@ struct Kaisa {
       const T inv_world = T(1) / T(comm_.size());
       off = 0;
       for (const auto& p : bucket) {  // unpack and average
-        impl::transfer_factor<Exec, T>(exec, items[p.item], flat, off, false, inv_world);
+        const auto& f = items[p.item];
+        impl::transfer_factor<Exec, T>(exec, f, flat, off, false, inv_world, static_cast<const T*>(f.base));
         off += p.count;
       }
     }

@@ -15,6 +15,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -72,6 +73,28 @@ class MpiComm {
     check(MPI_Allreduce(&v, &r, 1, MPI_LONG, MPI_MAX, state_->comm), "MPI_Allreduce");
     return r;
   }
+  /// Element-wise max over ranks of `n` values, in place (one collective).
+  void allreduce_max(long* v, int n) const {
+    check(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_LONG, MPI_MAX, state_->comm), "MPI_Allreduce");
+  }
+  /// `s` of rank `root`, on every rank (two broadcasts: length, bytes).
+  std::string broadcast_string(const std::string& s, int root) const {
+    std::uint64_t n = s.size();
+    check(MPI_Bcast(&n, 1, MPI_UINT64_T, root, state_->comm), "MPI_Bcast");
+    std::string r = rank() == root ? s : std::string(std::size_t(n), '\0');
+    if (n > 0) bcast(&r[0], std::size_t(n), root, state_->comm);
+    return r;
+  }
+  /// \brief Largest message handed to one MPI call; larger sums and broadcasts go in pieces,
+  /// so buffers of 2 GiB and more (whose counts overflow MPI's int) work. Default 1 GiB.
+  MpiComm& with_max_message_bytes(std::size_t bytes) {
+    if (bytes < 16) throw Error("", "MpiComm: max_message_bytes must be at least 16");
+    state_->max_message = bytes;
+    return *this;
+  }
+  std::size_t max_message_bytes() const { return state_->max_message; }
+  /// MPI calls made by sums and broadcasts so far (pieces counted one by one).
+  std::size_t messages() const { return state_->messages; }
   /// True on every rank when every rank passed the same string (one collective, a hash).
   bool all_equal(const std::string& s) const {
     const std::uint64_t h = impl::fnv1a(s);
@@ -85,14 +108,14 @@ class MpiComm {
     if (count == 0 || size() == 1) return;
     if (payload == CommPrecision::native || (payload == CommPrecision::float32 && scalar_size == 4)) {
       MPI_Datatype t = scalar_size == 8 ? MPI_DOUBLE : MPI_FLOAT;
-      reduce_bcast(data, int(count), t, MPI_SUM, count * scalar_size);
+      reduce_bcast(data, count, scalar_size, t, MPI_SUM);
       return;
     }
     if (payload == CommPrecision::float32) {
       std::vector<float> tmp(count);
       auto* d = static_cast<double*>(data);
       for (std::size_t i = 0; i < count; ++i) tmp[i] = float(d[i]);
-      reduce_bcast(tmp.data(), int(count), MPI_FLOAT, MPI_SUM, count * 4);
+      reduce_bcast(tmp.data(), count, 4, MPI_FLOAT, MPI_SUM);
       for (std::size_t i = 0; i < count; ++i) d[i] = double(tmp[i]);
       return;
     }
@@ -100,7 +123,7 @@ class MpiComm {
     for (std::size_t i = 0; i < count; ++i)
       tmp[i] = impl::to_bf16(scalar_size == 8 ? float(static_cast<double*>(data)[i])
                                               : static_cast<float*>(data)[i]);
-    reduce_bcast(tmp.data(), int(count), MPI_UINT16_T, state_->bf16_op, count * 2);
+    reduce_bcast(tmp.data(), count, 2, MPI_UINT16_T, state_->bf16_op);
     for (std::size_t i = 0; i < count; ++i) {
       if (scalar_size == 8) static_cast<double*>(data)[i] = double(impl::from_bf16(tmp[i]));
       else static_cast<float*>(data)[i] = impl::from_bf16(tmp[i]);
@@ -169,7 +192,8 @@ class MpiComm {
     MPI_Comm comm = MPI_COMM_NULL;
     MPI_Op bf16_op = MPI_OP_NULL;
     int rank = 0, size = 1;
-    std::size_t bytes = 0;
+    std::size_t bytes = 0, messages = 0;
+    std::size_t max_message = std::size_t(1) << 30;
   };
   static void check(int rc, const char* what) {
     if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
@@ -181,15 +205,28 @@ class MpiComm {
     int grank = 0;
     MPI_Comm_rank(c, &grank);
     if (grank == root_index) state_->bytes += bytes;
-    check(MPI_Bcast(data, int(bytes), MPI_BYTE, root_index, c), "MPI_Bcast");
+    auto* p = static_cast<char*>(data);
+    for (std::size_t off = 0; off < bytes; off += state_->max_message) {
+      const std::size_t n = std::min(state_->max_message, bytes - off);
+      ++state_->messages;
+      check(MPI_Bcast(p + off, int(n), MPI_BYTE, root_index, c), "MPI_Bcast");
+    }
   }
-  void reduce_bcast(void* data, int count, MPI_Datatype t, MPI_Op op, std::size_t bytes) const {
-    state_->bytes += 2 * bytes;  // one reduce contribution, one broadcast share
-    if (rank() == 0)
-      check(MPI_Reduce(MPI_IN_PLACE, data, count, t, op, 0, state_->comm), "MPI_Reduce");
-    else
-      check(MPI_Reduce(data, nullptr, count, t, op, 0, state_->comm), "MPI_Reduce");
-    check(MPI_Bcast(data, count, t, 0, state_->comm), "MPI_Bcast");
+  /// Reduce to rank 0 and broadcast, in pieces of at most max_message bytes.
+  void reduce_bcast(void* data, std::size_t count, std::size_t size, MPI_Datatype t, MPI_Op op) const {
+    state_->bytes += 2 * count * size;  // one reduce contribution, one broadcast share
+    const std::size_t per = std::max<std::size_t>(1, state_->max_message / size);
+    auto* p = static_cast<char*>(data);
+    for (std::size_t first = 0; first < count; first += per) {
+      const int n = int(std::min(per, count - first));
+      void* at = p + first * size;
+      state_->messages += 2;
+      if (rank() == 0)
+        check(MPI_Reduce(MPI_IN_PLACE, at, n, t, op, 0, state_->comm), "MPI_Reduce");
+      else
+        check(MPI_Reduce(at, nullptr, n, t, op, 0, state_->comm), "MPI_Reduce");
+      check(MPI_Bcast(at, n, t, 0, state_->comm), "MPI_Bcast");
+    }
   }
 
   std::shared_ptr<State> state_;

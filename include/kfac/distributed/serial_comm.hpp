@@ -20,6 +20,8 @@ class SerialComm {
   /// Sum over ranks of a host value.
   double allreduce_sum(double v) const { return v; }
   long allreduce_max(long v) const { return v; }
+  void allreduce_max(long*, int) const {}
+  std::string broadcast_string(const std::string& s, int) const { return s; }
   /// True when every rank passed the same string (registration consistency check).
   bool all_equal(const std::string&) const { return true; }
   bool cuda_aware() const { return true; }

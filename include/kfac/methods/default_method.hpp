@@ -37,6 +37,20 @@ template <class LayerType, class FactorPolicy, class Inversion, class Prec>
 using method_from_policies =
     std::conditional_t<LayerType::is_kronecker, KFAC<FactorPolicy, Inversion, Prec>,
                        UnitWiseFisher<FactorPolicy, Prec>>;
+/// Placeholder of register_layer's policy list: "not given".
+struct UnsetPolicy {};
+
+/// The method of register_layer<LayerType, FactorPolicy, Inversion, Prec>: default_method when
+/// no policy was given, else the one the policies name.
+template <class LayerType, class FactorPolicy, class Inversion, class Prec, class Scalar>
+using method_for = std::conditional_t<
+    std::is_same<FactorPolicy, UnsetPolicy>::value && std::is_same<Inversion, Eigendecomposition<>>::value &&
+        std::is_same<Prec, Precision<Scalar>>::value,
+    typename default_method<LayerType>::type,
+    method_from_policies<LayerType,
+                         std::conditional_t<std::is_same<FactorPolicy, UnsetPolicy>::value,
+                                            typename default_factor<LayerType>::type, FactorPolicy>,
+                         Inversion, Prec>>;
 }  // namespace impl
 
 }  // namespace kfac

@@ -113,9 +113,7 @@ struct LayerShape {
     static_assert(impl::is_precision<Prec>::value, "kfac::LayerShape: Prec must be a kfac::Precision<...>");
     static_assert(impl::decomposition_kind_of<InversePolicy>::known,
                   "kfac::LayerShape: InversePolicy must be Eigendecomposition<>, Cholesky<> or NewtonSchulz");
-    using Method = std::conditional_t<std::is_same<FactorPolicy, impl::UnsetPolicy>::value,
-                                      typename default_method<LayerType>::type,
-                                      impl::method_from_policies<LayerType, FactorPolicy, InversePolicy, Prec>>;
+    using Method = impl::method_for<LayerType, FactorPolicy, InversePolicy, Prec, double>;
     LayerShape s;
     s.describe_block(*Method{}.template make_block<double, Kokkos::DefaultHostExecutionSpace>(name, layer));
     s.name = std::move(name);
