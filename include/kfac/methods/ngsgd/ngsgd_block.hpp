@@ -1,0 +1,315 @@
+#pragma once
+/// \file ngsgd_block.hpp
+/// \brief The NG-SGD block of one Dense or Conv2d layer: two online Fisher estimates (input
+/// rows with the bias column, output-gradient rows) and the two-sided Woodbury solve.
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kfac/core/block.hpp"
+#include "kfac/methods/ngsgd/online_fisher.hpp"
+
+namespace kfac {
+
+/// \brief The settings of one NG-SGD layer, resolved (ranks known). See NGSGD for meanings.
+struct NGSGDSettings {
+  long rank_in = 0, rank_out = 0, update_period = 4;
+  impl::ngsgd::Recurrence recurrence{};
+  std::string describe() const {
+    auto num = [](double v) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%.17g", v);
+      return std::string(b);
+    };
+    const auto& r = recurrence;
+    return "rank_in=" + std::to_string(rank_in) + ",rank_out=" + std::to_string(rank_out) +
+           ",period=" + std::to_string(update_period) + ",history=" + num(r.num_samples_history) +
+           ",alpha=" + num(r.alpha) + ",epsilon=" + num(r.epsilon) + ",delta=" + num(r.delta);
+  }
+};
+
+/// \brief NG-SGD state of one layer whose gradient X (out x (in + bias)) is preconditioned as
+/// \f$\gamma\, \hat F_{out}^{-1} X \hat F_{in}^{-1}\f$, \f$\gamma = \|X\|_F / \|\hat F_{out}^{-1}
+/// X \hat F_{in}^{-1}\|_F\f$ (Kaldi's scale: the step keeps the gradient's norm).
+///
+/// Each statistics update (every update_period steps: NGSGD sets the layer's
+/// factor_update_steps) runs one step of the recurrence of online_fisher.hpp per side; the very
+/// first runs Kaldi's initialisation instead (special basis, d = rho = epsilon, then four steps
+/// on the first minibatch). As in Kaldi, a step's gradient is preconditioned with the estimates
+/// from before that step's update, so that no minibatch is preconditioned by a Fisher estimate
+/// that contains it. The estimates are per rank: checkpoint_state() lists them,
+/// averaged_state() is empty, and there are no decomposable units.
+/// \tparam LayerType Dense or Conv2d (their observation rows, as for K-FAC).
+template <class LayerType, class Scalar, class Exec>
+class NGSGDLayer final : public impl::Block<Scalar, Exec> {
+  static_assert(LayerType::is_kronecker, "NGSGDLayer needs a Dense or Conv2d layer type");
+  using Fisher = impl::ngsgd::OnlineFisher<Scalar, Exec>;
+  using RMatrix = typename Fisher::rows_type;
+  using SMatrix = impl::Matrix<Scalar, Exec>;
+  using SVector = impl::Vector<Scalar, Exec>;
+
+ public:
+  using base = impl::Block<Scalar, Exec>;
+  using typename base::grad_matrix;
+  using typename base::grad_vector;
+  using typename base::tensor_type;
+
+  /// Throws kfac::Error naming the layer when a setting is out of range.
+  NGSGDLayer(std::string name, const LayerType& layer, const NGSGDSettings& s)
+      : base(std::move(name)), layer_(layer), s_(s), na_(layer.a_dim()), ng_(layer.g_dim()) {
+    check(s_.rank_in >= 0 && s_.rank_in < na_, "rank_in = " + std::to_string(s_.rank_in) +
+          ": expected 0 <= rank_in < " + std::to_string(na_) + " (the input dimension, with the bias column)");
+    check(s_.rank_out >= 0 && s_.rank_out < ng_, "rank_out = " + std::to_string(s_.rank_out) +
+          ": expected 0 <= rank_out < " + std::to_string(ng_) + " (the output dimension)");
+    check(s_.update_period >= 1, "update_period = " + std::to_string(s_.update_period) + ": expected >= 1");
+    const auto& r = s_.recurrence;
+    check(r.num_samples_history > 0 && std::isfinite(r.num_samples_history),
+          "num_samples_history = " + std::to_string(r.num_samples_history) + ": expected a finite value > 0");
+    check(r.alpha >= 0 && std::isfinite(r.alpha), "alpha = " + std::to_string(r.alpha) + ": expected a finite value >= 0");
+    check(r.epsilon > 0 && std::isfinite(r.epsilon), "epsilon = " + std::to_string(r.epsilon) + ": expected a finite value > 0");
+    check(r.delta > 0 && r.delta < 1, "delta = " + std::to_string(r.delta) + ": expected a value in (0, 1)");
+    est_in_ = Fisher(na_, index_t(s_.rank_in));
+    est_out_ = Fisher(ng_, index_t(s_.rank_out));
+  }
+
+  const LayerType& layer() const { return layer_; }
+  const NGSGDSettings& settings() const { return s_; }
+  const char* kind() const override { return LayerType::kind; }
+  std::string signature() const override {
+    return layer_.describe() + "/ngsgd[" + s_.describe() + "]/s" + std::to_string(sizeof(Scalar));
+  }
+  index_t weight_rows() const override { return layer_.weight_rows(); }
+  index_t weight_cols() const override { return layer_.weight_cols(); }
+  bool has_bias() const override { return layer_.bias(); }
+
+  std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
+  /// The k-th output gradient of a step pairs with the k-th input (as for K-FAC).
+  std::string check_output_grad(const impl::Extents& e) const override {
+    const std::size_t k = obs_out_.rows.size();
+    if (k < in_extents_.size() && e[0] != in_extents_[k][0])
+      return "output gradient has batch " + std::to_string(e[0]) +
+             " but the input it pairs with (observation " + std::to_string(k + 1) +
+             " of this step) has batch " + std::to_string(in_extents_[k][0]);
+    return layer_.check_output_grad(e, k < in_extents_.size() ? in_extents_[k] : last_input_);
+  }
+  void observe_input(const Exec& exec, const tensor_type& x) override {
+    const auto e = impl::extents_of(x);
+    RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::ngsgd::in_rows"), layer_.a_rows(e), na_);
+    layer_.fill_a_rows(exec, x, rows);
+    obs_in_.add(exec, rows, layer_.a_normalizer(e), e[0]);
+    in_extents_.push_back(e);
+    last_input_ = e;
+  }
+  void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
+    const auto e = impl::extents_of(g);
+    RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::ngsgd::out_rows"), layer_.g_rows(e), ng_);
+    layer_.fill_g_rows(exec, g, scale, rows);
+    obs_out_.add(exec, rows, layer_.g_normalizer(e), e[0]);
+  }
+  bool observations_overflow() const override {
+    const double big = double(std::numeric_limits<Scalar>::max());
+    return obs_in_.norm > 0 && obs_out_.norm > 0 &&
+           (!(obs_in_.squares / obs_in_.norm <= big) || !(obs_out_.squares / obs_out_.norm <= big));
+  }
+  std::string observations_problem() const override {
+    if (obs_in_.rows.empty() && obs_out_.rows.empty()) return "no observations were given";
+    if (obs_in_.rows.empty()) return "no input was observed";
+    if (obs_out_.rows.empty()) return "no output gradient was observed";
+    if (obs_in_.samples != obs_out_.samples)
+      return "observed " + std::to_string(long(obs_in_.samples)) + " input samples but " +
+             std::to_string(long(obs_out_.samples)) + " output-gradient samples";
+    if (observations_overflow()) return "observations would overflow the scalar type";
+    return {};
+  }
+  void clear_observations() override {
+    obs_in_ = Pending{};
+    obs_out_ = Pending{};
+    in_extents_.clear();
+  }
+
+  /// One step of the recurrence per side (Kaldi's initialisation on the first); `decay` is
+  /// not used: the weight of the new minibatch is eta, from num_samples_history.
+  void update_statistics(const Exec& exec, double) override {
+    const auto& r = s_.recurrence;
+    if (!has_state_) {
+      est_in_.init_default(exec, r.epsilon);
+      est_out_.init_default(exec, r.epsilon);
+      for (int i = 0; i < 3; ++i) step_both(exec);
+    }
+    est_in_.copy_to(exec, prev_in_);
+    est_out_.copy_to(exec, prev_out_);
+    frozen_ = true;
+    step_both(exec);
+    has_state_ = true;
+    ++updates_;
+  }
+  bool has_statistics() const override { return has_state_; }
+  /// Empty: averaging orthonormal bases across ranks is meaningless.
+  std::vector<impl::FactorBuffer> averaged_state() override { return {}; }
+  /// R_in, (d_in, rho_in), R_out, (d_out, rho_out).
+  std::vector<impl::Buffer> checkpoint_state() override {
+    auto v = est_in_.buffers();
+    for (const auto& b : est_out_.buffers()) v.push_back(b);
+    return v;
+  }
+  std::vector<impl::BufferShape> checkpoint_shapes() const override {
+    auto v = est_in_.shapes();
+    for (const auto& b : est_out_.shapes()) v.push_back(b);
+    return v;
+  }
+  void allocate_state() override {
+    est_in_.allocate();
+    est_out_.allocate();
+    has_state_ = true;
+    frozen_ = false;
+  }
+  void release_state() override {
+    est_in_.release();
+    est_out_.release();
+    prev_in_.release();
+    prev_out_.release();
+    has_state_ = frozen_ = false;
+  }
+
+  void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
+    ensure_workspace();
+    auto x = x_;
+    const int cols = int(w.extent(1));
+    Kokkos::parallel_for(
+        "kfac::ngsgd::load_gradient", impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
+        KOKKOS_LAMBDA(int j, int i) { x(j, i) = j < cols ? w(i, j) : b(i); });
+  }
+  /// V = gamma F_out^-1 X F_in^-1 on the transposed buffers (x_ = X^T); `damping` is not used
+  /// (alpha's smoothing plays its part).
+  void apply(const Exec& exec, double) override {
+    Kokkos::deep_copy(exec, out_, x_);
+    if (!has_state_ || (s_.rank_in == 0 && s_.rank_out == 0)) return;  // the identity, exactly
+    const Fisher& fin = frozen_ ? prev_in_ : est_in_;
+    const Fisher& fout = frozen_ ? prev_out_ : est_out_;
+    const double alpha = s_.recurrence.alpha;
+    if (s_.rank_in > 0) {  // X F_in^-1, i.e. V^T <- V^T - R^T diag(e) (R V^T)
+      impl::ngsgd::woodbury_weights(exec, fin.values(), alpha, na_, e_in_);
+      impl::gemm(exec, "N", "N", Scalar(1), fin.basis(), out_, Scalar(0), p_in_);
+      impl::ngsgd::scale_by(exec, p_in_, e_in_, true);
+      impl::gemm(exec, "T", "N", Scalar(-1), fin.basis(), p_in_, Scalar(1), out_);
+    }
+    if (s_.rank_out > 0) {  // F_out^-1 X, i.e. V^T <- V^T - (V^T R^T) diag(e) R
+      impl::ngsgd::woodbury_weights(exec, fout.values(), alpha, ng_, e_out_);
+      impl::gemm(exec, "N", "T", Scalar(1), out_, fout.basis(), Scalar(0), p_out_);
+      impl::ngsgd::scale_by(exec, p_out_, e_out_, false);
+      impl::gemm(exec, "N", "N", Scalar(-1), p_out_, fout.basis(), Scalar(1), out_);
+    }
+    const double before = impl::sum_of_squares(exec, x_), after = impl::sum_of_squares(exec, out_);
+    last_gamma_ = after > 0 ? std::sqrt(before / after) : 1.0;
+    auto v = out_;
+    const Scalar g = Scalar(last_gamma_);
+    Kokkos::parallel_for(
+        "kfac::ngsgd::scale_gradient", Kokkos::RangePolicy<Exec>(exec, 0, long(v.span())),
+        KOKKOS_LAMBDA(long i) { v.data()[i] *= g; });
+  }
+  double inner_product(const Exec& exec) const override {
+    double vg = 0;
+    auto out = out_;
+    auto x = x_;
+    Kokkos::parallel_reduce(
+        "kfac::ngsgd::vg_sum", impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
+        KOKKOS_LAMBDA(int j, int i, double& s) { s += double(out(j, i)) * double(x(j, i)); }, vg);
+    return vg;
+  }
+  impl::Buffer preconditioned() override {
+    ensure_workspace();
+    return impl::buffer_of(out_);
+  }
+  void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b, double nu) override {
+    auto out = out_;
+    const int cols = int(w.extent(1));
+    const Scalar scale = Scalar(nu);
+    Kokkos::parallel_for(
+        "kfac::ngsgd::store_gradient", impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
+        KOKKOS_LAMBDA(int j, int i) {
+          const Scalar v = scale * out(j, i);
+          if (j < cols) w(i, j) = v; else b(i) = v;
+        });
+    frozen_ = false;  // the step is over: the next one preconditions with the newest estimates
+  }
+
+  /// factor_bytes: the two estimates (R in Scalar, d and rho in double); decomposition_bytes:
+  /// their copies from before the last update (used on update steps); workspace_bytes: X^T and
+  /// V^T (2 a g), the Woodbury products (r_in g + a r_out + r_in + r_out), in Scalar, and the
+  /// pending observation rows.
+  MemoryReport memory() const override {
+    MemoryReport m{this->name(), kind(), 0, 0, 0};
+    m.factor_bytes = est_in_.bytes() + est_out_.bytes();
+    m.decomposition_bytes = prev_in_.bytes() + prev_out_.bytes();
+    m.workspace_bytes = (x_.span() + out_.span() + p_in_.span() + p_out_.span() + e_in_.span() + e_out_.span()) * sizeof(Scalar);
+    for (const auto* p : {&obs_in_, &obs_out_})
+      for (const auto& r : p->rows) m.workspace_bytes += r.span() * sizeof(Scalar);
+    return m;
+  }
+  MemoryReport planned_memory(bool, bool skipped, bool) const override {
+    MemoryReport m{this->name(), kind(), 0, 0, 0};
+    if (skipped) return m;
+    const std::size_t a = std::size_t(na_), g = std::size_t(ng_), ri = std::size_t(s_.rank_in), ro = std::size_t(s_.rank_out);
+    m.factor_bytes = m.decomposition_bytes = est_in_.planned_bytes() + est_out_.planned_bytes();
+    m.workspace_bytes = (2 * a * g + ri * g + a * ro + ri + ro) * sizeof(Scalar);
+    return m;
+  }
+
+  // ---- read access, for tests and diagnostics
+  /// The input-side (0) or output-side (1) estimate, as updated by the last statistics update.
+  const Fisher& estimate(int side) const { return side == 0 ? est_in_ : est_out_; }
+  /// Kaldi's gamma of the last apply() (1 when the block was the identity).
+  double last_scale() const { return last_gamma_; }
+  /// Statistics updates since construction (not checkpointed).
+  long updates() const { return updates_; }
+
+ private:
+  /// Pending observation rows of one side, with what the recurrence needs about them.
+  struct Pending {
+    std::vector<RMatrix> rows;
+    double norm = 0, squares = 0, samples = 0;
+    void add(const Exec& exec, const RMatrix& r, double n, long batch) {
+      rows.push_back(r);
+      norm += n;
+      squares += impl::sum_of_squares(exec, r);
+      samples += double(batch);
+    }
+  };
+
+  void check(bool ok, const std::string& what) const {
+    if (!ok) throw Error(this->name(), "NGSGD: " + what);
+  }
+  void step_both(const Exec& exec) {
+    est_in_.update(exec, obs_in_.rows, obs_in_.norm, obs_in_.squares, obs_in_.samples, s_.recurrence);
+    est_out_.update(exec, obs_out_.rows, obs_out_.norm, obs_out_.squares, obs_out_.samples, s_.recurrence);
+  }
+  // x_ and out_ hold transposes, (a x g) column-major: the memory order of the caller's
+  // row-major (g x a) gradient, so loading and storing are contiguous copies.
+  void ensure_workspace() {
+    if (x_.extent(0) != 0) return;
+    x_ = SMatrix("kfac::ngsgd::x", na_, ng_);
+    out_ = SMatrix("kfac::ngsgd::out", na_, ng_);
+    p_in_ = SMatrix("kfac::ngsgd::p_in", s_.rank_in, ng_);
+    p_out_ = SMatrix("kfac::ngsgd::p_out", na_, s_.rank_out);
+    e_in_ = SVector("kfac::ngsgd::e_in", s_.rank_in);
+    e_out_ = SVector("kfac::ngsgd::e_out", s_.rank_out);
+  }
+
+  LayerType layer_;
+  NGSGDSettings s_;
+  index_t na_, ng_;
+  impl::Extents last_input_{0, 0, 0, 0};
+  std::vector<impl::Extents> in_extents_;
+  Pending obs_in_, obs_out_;
+  Fisher est_in_, est_out_, prev_in_, prev_out_;
+  bool has_state_ = false, frozen_ = false;
+  long updates_ = 0;
+  double last_gamma_ = 1.0;
+  SMatrix x_, out_, p_in_, p_out_;
+  SVector e_in_, e_out_;
+};
+
+}  // namespace kfac
