@@ -337,3 +337,29 @@ TEST_CASE("bad inputs raise kfac::Error", "[cost_model][errors]") {
   bad.a_dim = 0;
   CHECK_THROWS_WITH(kfac::CostModel({bad}), Catch::Contains("fc"));
 }
+
+TEST_CASE("group layouts: every receiver group holds one member of every worker group", "[cost_model][assignment]") {
+  const auto net = mlp();
+  for (auto layout : {kfac::GroupLayout::contiguous_receivers, kfac::GroupLayout::contiguous_workers}) {
+    const kfac::WorkAssignment w(8, 0.5, std::vector<std::vector<double>>(net.size(), {1.0, 2.0}), false, layout);
+    REQUIRE(w.grad_workers() == 4);
+    REQUIRE(w.worker_groups() == 2);
+    std::vector<int> seen(8, 0);
+    for (int k = 0; k < 2; ++k)
+      for (int j = 0; j < 4; ++j) {
+        const int r = w.rank_of(k, j);
+        ++seen[std::size_t(r)];
+        CHECK(w.worker_group_of(r) == k);
+        CHECK(w.receiver_group_of(r) == j);
+      }
+    for (int c : seen) CHECK(c == 1);
+    // contiguous_receivers: a receiver group is consecutive ranks; contiguous_workers: a worker group is.
+    if (layout == kfac::GroupLayout::contiguous_receivers) {
+      CHECK(w.rank_of(1, 0) == w.rank_of(0, 0) + 1);
+    } else {
+      CHECK(w.rank_of(0, 1) == w.rank_of(0, 0) + 1);
+    }
+    for (std::size_t l = 0; l < net.size(); ++l)
+      for (int u = 0; u < 2; ++u) CHECK(w.is_grad_worker(l, w.decomposer(l, u)));
+  }
+}

@@ -79,5 +79,8 @@ TEST_CASE("cost model bytes, memory and assignment equal a distributed run", "[m
   }
   if (size % 2 == 0 && size > 2) {
     SECTION("HYBRID 0.5") { check(options(0.5)); }
+    SECTION("HYBRID 0.5, worker groups of consecutive ranks") {
+      check(options(0.5).with_group_layout(kfac::GroupLayout::contiguous_workers).with_colocate_factors(false));
+    }
   }
 }

@@ -14,6 +14,16 @@
 namespace kfac {
 /// \brief The cost a greedy assignment balances.
 enum class AssignmentCost { compute, memory };
+
+/// \brief How KAISA's rank grid is laid out: worker groups (the gw ranks that share a layer's
+/// decompositions, every inv_update_steps) and receiver groups (one member of every worker
+/// group; they share preconditioned gradients every step under HYBRID/MEM-OPT).
+///
+/// `contiguous_receivers` (default, as kfac-pytorch): receiver group j is the consecutive ranks
+/// j W/gw ... (j+1) W/gw - 1 and worker groups are strided, so with node-major rank numbering the
+/// every-step gradient broadcasts stay inside a node and only the rarer decomposition broadcasts
+/// cross nodes. `contiguous_workers` (kfac 0.1): worker groups are consecutive ranks.
+enum class GroupLayout { contiguous_receivers, contiguous_workers };
 }  // namespace kfac
 
 namespace kfac {
@@ -88,6 +98,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | double | grad_worker_fraction | KAISA gradient-worker fraction f in [1/world, 1] (1 = COMM-OPT) | 1.0 |
 /// | AssignmentCost | assignment_cost | what greedy placement balances: compute (n^3) or memory (n^2) | compute |
 /// | bool | colocate_factors | decompose a layer's A and G on the same rank | true |
+/// | GroupLayout | group_layout | which KAISA groups are consecutive ranks | contiguous_receivers |
 /// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
 /// | CommPrecision | comm_precision | payload type of factor averaging | native |
 /// | NonFinitePolicy | nonfinite | raise at once, or skip the step on every rank | raise |
@@ -106,6 +117,7 @@ struct Options {
   double grad_worker_fraction = 1.0;
   AssignmentCost assignment_cost = AssignmentCost::compute;
   bool colocate_factors = true;
+  GroupLayout group_layout = GroupLayout::contiguous_receivers;
   std::size_t bucket_bytes = std::size_t(16) << 20;
   CommPrecision comm_precision = CommPrecision::native;
   NonFinitePolicy nonfinite = NonFinitePolicy::raise;
@@ -124,6 +136,7 @@ struct Options {
   Options& with_grad_worker_fraction(double f) { grad_worker_fraction = f; return *this; }
   Options& with_assignment_cost(AssignmentCost c) { assignment_cost = c; return *this; }
   Options& with_colocate_factors(bool b) { colocate_factors = b; return *this; }
+  Options& with_group_layout(GroupLayout g) { group_layout = g; return *this; }
   Options& with_bucket_bytes(std::size_t b) { bucket_bytes = b; return *this; }
   Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
   Options& with_nonfinite_policy(NonFinitePolicy p) { nonfinite = p; return *this; }

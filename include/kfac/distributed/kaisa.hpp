@@ -38,7 +38,7 @@ struct Kaisa {
     std::string signature(const Options& o) const {
       return "kaisa:f=" + std::to_string(o.grad_worker_fraction) +
              ";c=" + std::to_string(int(o.assignment_cost)) +
-             ";co=" + std::to_string(int(o.colocate_factors)) +
+             ";co=" + std::to_string(int(o.colocate_factors)) + ";g=" + std::to_string(int(o.group_layout)) +
              ";p=" + std::to_string(int(o.comm_precision)) + ";";
     }
     /// Collective: true on every rank when every rank passed the same signature.
@@ -54,7 +54,7 @@ struct Kaisa {
           c[l].push_back(o.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
       units_.clear();
       for (const auto& u : costs) units_.push_back(int(u.size()));
-      assignment_ = WorkAssignment(comm_.size(), o.grad_worker_fraction, c, o.colocate_factors);
+      assignment_ = WorkAssignment(comm_.size(), o.grad_worker_fraction, c, o.colocate_factors, o.group_layout);
       if (!groups_made_ && comm_.size() > 1) {
         worker_ = comm_.split(assignment_.worker_group_of(comm_.rank()));
         receiver_ = comm_.split(assignment_.receiver_group_of(comm_.rank()));
@@ -103,7 +103,7 @@ struct Kaisa {
     /// Shares layer l's unit u from its decomposer with the rest of the worker group.
     void share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
       if (comm_.size() == 1) return;
-      const int root = assignment_.decomposer(l, u) % assignment_.grad_workers();
+      const int root = assignment_.receiver_group_of(assignment_.decomposer(l, u));  // index in its worker group
       for (const auto& b : buffers) broadcast(b, root, worker_);
     }
     /// Sends layer l's preconditioned gradient from its worker group to the receivers.

@@ -352,7 +352,8 @@ class CostModel {
         for (const auto& u : layers_[l].unit_costs)
           costs[l].push_back(options.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
     }
-    p.assignment = WorkAssignment(world, options.grad_worker_fraction, costs, options.colocate_factors);
+    p.assignment = WorkAssignment(world, options.grad_worker_fraction, costs, options.colocate_factors,
+                                  options.group_layout);
     const WorkAssignment& a = p.assignment;
     const int gw = a.grad_workers();
 
@@ -389,9 +390,8 @@ class CostModel {
     for (std::size_t l = 0; l < n; ++l) {
       const LayerShape& s = layers_[l];
       if (skip[l] || s.decomposed_factors() == 0 || gw == 1) continue;  // one-rank groups send nothing
-      const int lo = a.worker_group(l) * gw;
       std::vector<int> group;
-      for (int r = lo; r < lo + gw; ++r) group.push_back(r);
+      for (int j = 0; j < gw; ++j) group.push_back(a.rank_of(a.worker_group(l), j));
       for (int which = 0; which < 2; ++which)
         for (std::size_t count : s.decomposition_buffer_counts(which)) {
           const std::size_t bytes = count * s.decomposition_scalar;
@@ -408,21 +408,20 @@ class CostModel {
       const LayerShape& s = layers_[l];
       if (skip[l] || s.decomposed_factors() == 0) continue;  // local layers: element-wise only
       const double t = machine_.preconditioning_seconds(s);
-      const int lo = a.worker_group(l) * gw;
-      for (int r = lo; r < lo + gw; ++r) {
-        p.ranks[std::size_t(r)].preconditioning_seconds += t;
-        clock[std::size_t(r)] += t;
+      for (int j = 0; j < gw; ++j) {
+        const std::size_t r = std::size_t(a.rank_of(a.worker_group(l), j));
+        p.ranks[r].preconditioning_seconds += t;
+        clock[r] += t;
       }
     }
     for (std::size_t l = 0; l < n && gw < world; ++l) {
       const LayerShape& s = layers_[l];
       if (skip[l] || s.decomposed_factors() == 0) continue;
-      const int lo = a.worker_group(l) * gw;
       const std::size_t bytes = std::size_t(s.g_dim) * std::size_t(s.a_dim) * s.decomposition_scalar;
-      for (int j = 0; j < gw; ++j) {  // receiver group j: ranks j, j + gw, ...; root k gw + j
+      for (int j = 0; j < gw; ++j) {  // receiver group j: member j of every worker group
         std::vector<int> group;
-        for (int r = j; r < world; r += gw) group.push_back(r);
-        p.ranks[std::size_t(lo + j)].gradient_bytes_sent += bytes;
+        for (int k = 0; k < a.worker_groups(); ++k) group.push_back(a.rank_of(k, j));
+        p.ranks[std::size_t(a.rank_of(a.worker_group(l), j))].gradient_bytes_sent += bytes;
         collective(clock, group, machine_.collective_seconds(bytes, world / gw));
       }
     }
