@@ -22,6 +22,52 @@ struct Conv2dShape {
   Conv2dShape with_bias(bool b) const { auto c = *this; c.bias = b; return c; }
 };
 
+/// Kernels of Conv2d, outside the class: nvcc rejects device lambdas in private members.
+namespace detail {
+
+/// cols(c*kh*kw + a*kw + e, (s*Ho + i)*Wo + j) = x(s, c, i*stride - pad + a, j*stride - pad + e),
+/// 0 in the padding. One work item per (patch entry, sample, output row).
+inline void unfold(const Conv2dShape& shape, const Tensor& x, const Matrix& cols, int ho, int wo) {
+  const int kh = shape.kernel_h, kw = shape.kernel_w, st = shape.stride, pad = shape.padding;
+  const int h = int(x.extent(2)), w = int(x.extent(3));
+  Kokkos::parallel_for("nn::conv2d::unfold", range3(cols.extent(0), x.extent(0), ho),
+                       KOKKOS_LAMBDA(const int k, const int s, const int i) {
+                         const int c = k / (kh * kw), a = (k / kw) % kh, e = k % kw;
+                         const int ih = i * st - pad + a;
+                         const int q0 = (s * ho + i) * wo;
+                         for (int j = 0; j < wo; ++j) {
+                           const int iw = j * st - pad + e;
+                           cols(k, q0 + j) = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x(s, c, ih, iw) : 0.0f;
+                         }
+                       });
+}
+
+/// The adjoint of unfold: dx(s, c) accumulates every patch entry that copied one of its pixels.
+/// One work item per (sample, channel), visiting patch entries in a fixed order: no atomics.
+inline void fold(const Conv2dShape& shape, const Matrix& dcols, const Tensor& dx, int ho, int wo) {
+  const int kh = shape.kernel_h, kw = shape.kernel_w, st = shape.stride, pad = shape.padding;
+  const int h = int(dx.extent(2)), w = int(dx.extent(3));
+  Kokkos::parallel_for("nn::conv2d::fold", range2(dx.extent(0), dx.extent(1)), KOKKOS_LAMBDA(const int s, const int c) {
+    for (int ih = 0; ih < h; ++ih)
+      for (int iw = 0; iw < w; ++iw) dx(s, c, ih, iw) = 0.0f;
+    for (int a = 0; a < kh; ++a)
+      for (int e = 0; e < kw; ++e) {
+        const int k = (c * kh + a) * kw + e;
+        for (int i = 0; i < ho; ++i) {
+          const int ih = i * st - pad + a;
+          if (ih < 0 || ih >= h) continue;
+          const int q0 = (s * ho + i) * wo;
+          for (int j = 0; j < wo; ++j) {
+            const int iw = j * st - pad + e;
+            if (iw >= 0 && iw < w) dx(s, c, ih, iw) += dcols(k, q0 + j);
+          }
+        }
+      }
+  });
+}
+
+}  // namespace detail
+
 /// \brief Conv2d with weight (O, C, kh, kw) and optional bias (O).
 ///
 /// The whole batch is unfolded into one patch matrix `cols` of shape (K, N*P), K = C*kh*kw patch
@@ -116,46 +162,8 @@ class Conv2d {
 
   Matrix weight_matrix(const Tensor& w) const { return Matrix(w.data(), s_.out_channels, patch_size()); }
 
-  /// cols(c*kh*kw + a*kw + e, (s*Ho + i)*Wo + j) = x(s, c, i*stride - pad + a, j*stride - pad + e),
-  /// 0 in the padding. One work item per (patch entry, sample, output row).
-  void unfold(const Tensor& x, const Matrix& cols, int ho, int wo) const {
-    const int kh = s_.kernel_h, kw = s_.kernel_w, st = s_.stride, pad = s_.padding;
-    const int h = int(x.extent(2)), w = int(x.extent(3));
-    Kokkos::parallel_for("nn::conv2d::unfold", range3(cols.extent(0), x.extent(0), ho),
-                         KOKKOS_LAMBDA(const int k, const int s, const int i) {
-                           const int c = k / (kh * kw), a = (k / kw) % kh, e = k % kw;
-                           const int ih = i * st - pad + a;
-                           const int q0 = (s * ho + i) * wo;
-                           for (int j = 0; j < wo; ++j) {
-                             const int iw = j * st - pad + e;
-                             cols(k, q0 + j) = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x(s, c, ih, iw) : 0.0f;
-                           }
-                         });
-  }
-
-  /// The adjoint of unfold: dx(s, c) accumulates every patch entry that copied one of its pixels.
-  /// One work item per (sample, channel), visiting patch entries in a fixed order: no atomics.
-  void fold(const Matrix& dcols, const Tensor& dx, int ho, int wo) const {
-    const int kh = s_.kernel_h, kw = s_.kernel_w, st = s_.stride, pad = s_.padding;
-    const int h = int(dx.extent(2)), w = int(dx.extent(3));
-    Kokkos::parallel_for("nn::conv2d::fold", range2(dx.extent(0), dx.extent(1)), KOKKOS_LAMBDA(const int s, const int c) {
-      for (int ih = 0; ih < h; ++ih)
-        for (int iw = 0; iw < w; ++iw) dx(s, c, ih, iw) = 0.0f;
-      for (int a = 0; a < kh; ++a)
-        for (int e = 0; e < kw; ++e) {
-          const int k = (c * kh + a) * kw + e;
-          for (int i = 0; i < ho; ++i) {
-            const int ih = i * st - pad + a;
-            if (ih < 0 || ih >= h) continue;
-            const int q0 = (s * ho + i) * wo;
-            for (int j = 0; j < wo; ++j) {
-              const int iw = j * st - pad + e;
-              if (iw >= 0 && iw < w) dx(s, c, ih, iw) += dcols(k, q0 + j);
-            }
-          }
-        }
-    });
-  }
+  void unfold(const Tensor& x, const Matrix& cols, int ho, int wo) const { detail::unfold(s_, x, cols, ho, wo); }
+  void fold(const Matrix& dcols, const Tensor& dx, int ho, int wo) const { detail::fold(s_, dcols, dx, ho, wo); }
 
   Conv2dShape s_;
   Tensor weight_;

@@ -23,6 +23,43 @@ struct BatchStats {
   }
 };
 
+/// Kernels of SoftmaxCrossEntropy, outside the class: nvcc rejects device lambdas in private
+/// members. Per sample: loss(i, 0), hit(i, 0) and, when `want_grad`, the row g(i, :).
+namespace detail {
+
+inline BatchStats softmax_cross_entropy(const Matrix& z, const Labels& labels, bool want_grad, const Matrix& g,
+                                        const Kokkos::View<double**, Kokkos::LayoutRight, MemSpace>& loss,
+                                        const Kokkos::View<int**, Kokkos::LayoutRight, MemSpace>& hit) {
+  const int n = int(z.extent(0)), k = int(z.extent(1));
+  const float inv_n = 1.0f / float(n);
+  Kokkos::parallel_for("nn::xent::per_sample", Kokkos::RangePolicy<ExecSpace>(0, n),
+                       KOKKOS_LAMBDA(const int i) {
+                         int arg = 0;
+                         for (int j = 1; j < k; ++j)
+                           if (z(i, j) > z(i, arg)) arg = j;
+                         const double zmax = z(i, arg);
+                         double sum = 0.0;
+                         for (int j = 0; j < k; ++j) sum += std::exp(double(z(i, j)) - zmax);
+                         const int y = labels(i);
+                         loss(i, 0) = std::log(sum) - (double(z(i, y)) - zmax);
+                         hit(i, 0) = arg == y ? 1 : 0;
+                         if (want_grad)
+                           for (int j = 0; j < k; ++j) {
+                             const double p = std::exp(double(z(i, j)) - zmax) / sum;
+                             g(i, j) = float(p - (j == y ? 1.0 : 0.0)) * inv_n;
+                           }
+                       });
+  BatchStats stats;
+  stats.count = n;
+  Kokkos::parallel_reduce("nn::xent::loss_sum", Kokkos::RangePolicy<ExecSpace>(0, n),
+                          KOKKOS_LAMBDA(const int i, double& acc) { acc += loss(i, 0); }, stats.loss_sum);
+  Kokkos::parallel_reduce("nn::xent::correct", Kokkos::RangePolicy<ExecSpace>(0, n),
+                          KOKKOS_LAMBDA(const int i, long& acc) { acc += hit(i, 0); }, stats.correct);
+  return stats;
+}
+
+}  // namespace detail
+
 /// \brief \f$L = \frac{1}{N}\sum_i -\log \mathrm{softmax}(z_i)_{y_i}\f$ and its gradient
 /// \f$\partial L / \partial z_i = (\mathrm{softmax}(z_i) - e_{y_i}) / N\f$.
 class SoftmaxCrossEntropy {
@@ -46,30 +83,7 @@ class SoftmaxCrossEntropy {
     const Matrix g = want_grad ? grad_.matrix(n, k) : Matrix();
     const auto loss = loss_.matrix(n, 1);
     const auto hit = hit_.matrix(n, 1);
-    const float inv_n = 1.0f / float(n);
-    Kokkos::parallel_for("nn::xent::per_sample", Kokkos::RangePolicy<ExecSpace>(0, n),
-                         KOKKOS_LAMBDA(const int i) {
-                           int arg = 0;
-                           for (int j = 1; j < k; ++j)
-                             if (z(i, j) > z(i, arg)) arg = j;
-                           const double zmax = z(i, arg);
-                           double sum = 0.0;
-                           for (int j = 0; j < k; ++j) sum += std::exp(double(z(i, j)) - zmax);
-                           const int y = labels(i);
-                           loss(i, 0) = std::log(sum) - (double(z(i, y)) - zmax);
-                           hit(i, 0) = arg == y ? 1 : 0;
-                           if (want_grad)
-                             for (int j = 0; j < k; ++j) {
-                               const double p = std::exp(double(z(i, j)) - zmax) / sum;
-                               g(i, j) = float(p - (j == y ? 1.0 : 0.0)) * inv_n;
-                             }
-                         });
-    BatchStats stats;
-    stats.count = n;
-    Kokkos::parallel_reduce("nn::xent::loss_sum", Kokkos::RangePolicy<ExecSpace>(0, n),
-                            KOKKOS_LAMBDA(const int i, double& acc) { acc += loss(i, 0); }, stats.loss_sum);
-    Kokkos::parallel_reduce("nn::xent::correct", Kokkos::RangePolicy<ExecSpace>(0, n),
-                            KOKKOS_LAMBDA(const int i, long& acc) { acc += hit(i, 0); }, stats.correct);
+    const BatchStats stats = detail::softmax_cross_entropy(z, labels, want_grad, g, loss, hit);
     if (want_grad) grad_view_ = as_tensor(g);
     return stats;
   }

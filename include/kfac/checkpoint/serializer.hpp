@@ -99,8 +99,9 @@ void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const 
     auto& block = *e.block;
     w.put_string(block.name());
     w.put_string(block.signature());
-    for (long v : {e.schedule.next_factor, e.schedule.next_inv, e.schedule.last_factor, e.schedule.last_inv})
-      w.put(std::int64_t(v));
+    // A named array, not a braced list in the range-for: nvcc 13's host code for the latter does not compile.
+    const long schedule[] = {e.schedule.next_factor, e.schedule.next_inv, e.schedule.last_factor, e.schedule.last_inv};
+    for (long v : schedule) w.put(std::int64_t(v));
     w.put(std::uint8_t(block.has_statistics()));
     put_buffers(block.has_statistics() ? block.checkpoint_state() : std::vector<Buffer>{});
     const bool dec = with_decompositions && e.decomposed;
@@ -256,6 +257,7 @@ bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, boo
     e.decomposition_damping = p.damping;
     e.decomposed = false;
     if (p.has_decomposition && same_layout) {
+      block.allocate_units();
       for (int u = 0; u < block.units(); ++u) {
         auto bufs = block.unit_buffers(u);
         for (std::size_t k = 0; k < bufs.size(); ++k) from_host_bytes<Exec>(bufs[k], p.units[std::size_t(u)][k]);

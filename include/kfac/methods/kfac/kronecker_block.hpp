@@ -5,6 +5,7 @@
 
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kfac/core/block.hpp"
@@ -12,6 +13,39 @@
 #include "kfac/methods/kfac/factors.hpp"
 
 namespace kfac {
+namespace impl {
+
+/// \brief \f$f = \beta_0 f + \alpha \sum_k R_k^T R_k\f$ over the observation row blocks
+/// \f$R_k\f$: the upper triangle by syrk, or only the diagonal; `full` mirrors the upper triangle
+/// into the lower one. A free function because nvcc rejects device lambdas in private members.
+template <bool diagonal, bool full, class Exec, class RMatrix, class FMatrix, class F>
+void accumulate_factor(const Exec& exec, const std::vector<RMatrix>& list, F alpha, F beta0,
+                       const FMatrix& f) {
+  for (std::size_t k = 0; k < list.size(); ++k) {
+    const F beta = k > 0 ? F(1) : beta0;
+    if constexpr (diagonal) {
+      const auto rows = list[k];
+      const int m = int(rows.extent(0));
+      Kokkos::parallel_for(
+          "kfac::layer::diagonal_factor", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(0))),
+          KOKKOS_LAMBDA(int j) {
+            F s = 0;
+            for (int r = 0; r < m; ++r) s += rows(r, j) * rows(r, j);
+            f(j, 0) = beta * f(j, 0) + alpha * s;
+          });
+    } else {
+      syrk_t_upper(exec, alpha, list[k], beta, f);
+    }
+  }
+  if constexpr (full) {
+    const int n = int(f.extent(0));
+    Kokkos::parallel_for(
+        "kfac::layer::symmetrize", Kokkos::RangePolicy<Exec>(exec, 0, n),
+        KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) f(i, j) = f(j, i); });
+  }
+}
+
+}  // namespace impl
 
 /// \brief K-FAC state of one layer whose Fisher block is approximated by \f$G \otimes A\f$.
 /// \tparam LayerType Dense or Conv2d: how observations become factor statistics.
@@ -342,29 +376,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   void accumulate(const Exec& exec, const std::vector<RMatrix>& list, double norm, double decay,
                   const FMatrix& f) {
     const double new_weight = has_factors_ ? 1.0 - decay : 1.0;
-    const F alpha = F(new_weight / norm);
-    for (std::size_t k = 0; k < list.size(); ++k) {
-      const F beta = k > 0 ? F(1) : F(has_factors_ ? decay : 0.0);
-      if constexpr (diagonal) {
-        const auto rows = list[k];
-        const int m = int(rows.extent(0));
-        Kokkos::parallel_for(
-            "kfac::layer::diagonal_factor", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(0))),
-            KOKKOS_LAMBDA(int j) {
-              F s = 0;
-              for (int r = 0; r < m; ++r) s += rows(r, j) * rows(r, j);
-              f(j, 0) = beta * f(j, 0) + alpha * s;
-            });
-      } else {
-        impl::syrk_t_upper(exec, alpha, list[k], beta, f);
-      }
-    }
-    if constexpr (std::is_same<FactorPolicy, Full>::value) {
-      const int n = int(f.extent(0));
-      Kokkos::parallel_for(
-          "kfac::layer::symmetrize", Kokkos::RangePolicy<Exec>(exec, 0, n),
-          KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) f(i, j) = f(j, i); });
-    }
+    impl::accumulate_factor<diagonal, std::is_same<FactorPolicy, Full>::value>(
+        exec, list, F(new_weight / norm), F(has_factors_ ? decay : 0.0), f);
   }
 
   LayerType layer_;
