@@ -163,7 +163,7 @@ class GradientSync {
   GradientSync(const Network& net, const World& world) {
 #if KFAC_EXAMPLES_HAVE_MPI
     if (world.size() > 1) {
-      averager_ = std::make_unique<kfac::GradientAverager<kfac::MpiComm>>(kfac::MpiComm(world.comm()));
+      averager_ = std::make_unique<kfac::GradientAverager<kfac::MpiComm, ExecSpace>>(kfac::MpiComm(world.comm()));
       for (const Param& p : net.params()) averager_->add(p.grad);
     }
 #else
@@ -179,7 +179,7 @@ class GradientSync {
 
  private:
 #if KFAC_EXAMPLES_HAVE_MPI
-  std::unique_ptr<kfac::GradientAverager<kfac::MpiComm>> averager_;
+  std::unique_ptr<kfac::GradientAverager<kfac::MpiComm, ExecSpace>> averager_;
 #endif
 };
 

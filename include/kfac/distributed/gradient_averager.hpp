@@ -3,25 +3,47 @@
 /// \brief Data-parallel gradient averaging for codes without a framework's DDP.
 
 #include <Kokkos_Core.hpp>
-#include <cstring>
+#include <cstddef>
+#include <type_traits>
 #include <vector>
 
-#include "kfac/distributed/comm_precision.hpp"
-#include "kfac/distributed/bucketing.hpp"
-#include "kfac/error.hpp"
 #include "kfac/core/block.hpp"
+#include "kfac/distributed/bucketing.hpp"
+#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/distributed/staging.hpp"
+#include "kfac/error.hpp"
 
 namespace kfac {
+namespace impl {
+
+/// Copies `count` values of `src` (from `src_off`) into `dst` (from `dst_off`), each times
+/// `scale`; both in Exec's memory. A free function: nvcc rejects device lambdas in private members.
+template <class Exec, class T>
+void copy_scaled(const Exec& exec, T* dst, std::size_t dst_off, const T* src, std::size_t src_off,
+                 std::size_t count, T scale) {
+  Kokkos::parallel_for(
+      "kfac::averager::copy", Kokkos::RangePolicy<Exec>(exec, 0, count),
+      KOKKOS_LAMBDA(std::size_t i) { dst[dst_off + i] = src[src_off + i] * scale; });
+}
+
+}  // namespace impl
 
 /// \brief Averages a fixed set of gradient views over ranks, in place, in buckets of at most
 /// `bucket_bytes` (one collective per bucket). The result is bit-identical on every rank.
 ///
 /// Register the views once with add(); call average() after every backward pass. Views must be
-/// contiguous, of float or double, and host-accessible (device views: stage through a mirror).
+/// contiguous, of float or double, in memory that `Exec` can access. Buckets are packed and
+/// unpacked by kernels on `Exec` into a staging view in its memory space; a communicator that
+/// cannot read that memory (MpiComm without `cuda_aware`) gets a host copy of the packed bucket.
 /// \tparam Comm SerialComm or MpiComm.
-template <class Comm>
+/// \tparam Exec the execution space whose memory holds the gradients (the host's by default;
+///         `Kokkos::DefaultExecutionSpace` for device views).
+template <class Comm, class Exec = Kokkos::DefaultHostExecutionSpace>
 class GradientAverager {
  public:
+  using execution_space = Exec;
+  using memory_space = typename Exec::memory_space;
+
   explicit GradientAverager(Comm comm, std::size_t bucket_bytes = std::size_t(16) << 20)
       : comm_(std::move(comm)), bucket_bytes_(bucket_bytes) {
     if (bucket_bytes_ < 8) throw Error("", "GradientAverager: bucket_bytes must be at least 8");
@@ -32,8 +54,9 @@ class GradientAverager {
     using T = typename View::non_const_value_type;
     static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
                   "GradientAverager: gradients must be float or double");
-    static_assert(Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View::memory_space>::accessible,
-                  "GradientAverager: gradients must be host-accessible");
+    static_assert(Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible,
+                  "GradientAverager: gradients must be in memory that Exec can access "
+                  "(device views: GradientAverager<Comm, Kokkos::DefaultExecutionSpace>)");
     if (!v.span_is_contiguous()) throw Error("", "GradientAverager: gradient views must be contiguous");
     buffers_.push_back(impl::buffer_of(v));
   }
@@ -60,29 +83,36 @@ class GradientAverager {
       }
     // A view larger than a bucket travels in pieces of its own.
     const auto buckets = impl::plan_buckets(counts, bucket_bytes_ / sizeof(T), true);
-    std::vector<T> bucket;
+    const Exec exec;
     const T inv = T(1) / T(comm_.size());
     for (const auto& pieces : buckets) {
-      bucket.clear();
-      for (const auto& p : pieces) {
-        const T* src = static_cast<const T*>(mine[p.item].data) + p.start;
-        bucket.insert(bucket.end(), src, src + p.count);
-      }
-      comm_.sum(bucket.data(), bucket.size(), sizeof(T), CommPrecision::native);
-      ++collectives_;
+      const std::size_t count = impl::bucket_count(pieces);
+      if (staging_.extent(0) < count * sizeof(T))
+        staging_ = Kokkos::View<char*, memory_space>("kfac::averager::staging", count * sizeof(T));
+      T* flat = reinterpret_cast<T*>(staging_.data());
       std::size_t off = 0;
-      for (const auto& p : pieces) {
-        T* d = static_cast<T*>(mine[p.item].data) + p.start;
-        for (std::size_t i = 0; i < p.count; ++i) d[i] = bucket[off + i] * inv;
+      for (const auto& p : pieces) {  // pack
+        impl::copy_scaled(exec, flat, off, static_cast<const T*>(mine[p.item].data), p.start, p.count, T(1));
+        off += p.count;
+      }
+      exec.fence();  // before MPI reads the bucket
+      impl::on_host<Exec>(comm_, flat, count * sizeof(T),
+                          [&](void* data) { comm_.sum(data, count, sizeof(T), CommPrecision::native); });
+      ++collectives_;
+      off = 0;
+      for (const auto& p : pieces) {  // unpack and average
+        impl::copy_scaled(exec, static_cast<T*>(mine[p.item].data), p.start, flat, off, p.count, inv);
         off += p.count;
       }
     }
+    exec.fence();  // the gradients are read next, maybe on the host
   }
 
   Comm comm_;
   std::size_t bucket_bytes_;
   std::vector<impl::Buffer> buffers_;
   std::size_t collectives_ = 0;
+  Kokkos::View<char*, memory_space> staging_;
 };
 
 }  // namespace kfac
