@@ -253,11 +253,9 @@ TEST_CASE("an allocation failure in one rank's decomposition is an error on ever
   }
 }
 
-// Known deviation (reported to the core engineer): a decomposition failure is voted in its own
-// collective after the agreement, and the ranks throw different messages (the failing rank its
-// own error, the others "decomposition failed on another rank (see that rank's error)"), while
-// every other fault gives one message everywhere. [!mayfail] until fixed.
-TEST_CASE("a decomposition failure gives the same message on every rank", "[mpi][faults][!mayfail]") {
+// A decomposition failure is voted after the step's agreement (decompositions run after it);
+// the lowest failing rank's error is shared, so every rank throws the same message.
+TEST_CASE("a decomposition failure gives the same message on every rank", "[mpi][faults]") {
   const int bad = size_of() - 1;
   Pair p(fault_options().with_inv_update_steps(1), fault_options().with_inv_update_steps(1));
   const Outcome o = decomposition_fault(p, ToyFailure::bad_alloc, bad);

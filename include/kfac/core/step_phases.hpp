@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kfac/core/agreement.hpp"
 #include "kfac/core/backup.hpp"
 #include "kfac/distributed/comm_precision.hpp"
 #include "kfac/core/registry.hpp"
@@ -90,12 +91,17 @@ class StepPhases {
         if (failed) failed_layer = long(l) + 1;
       }
     }
-    const long verdict = dist_.agree_max(failed_layer);
+    // The lowest failing rank tells every rank what failed, so that all throw the same error.
+    const int world = dist_.agreement_size(), rank = world == 1 ? 0 : dist_.comm().rank();
+    const long verdict = dist_.agree_max(failed_layer > 0 ? long(world - rank) : 0L);
     if (verdict > 0) {
       rollback();
-      if (failed) throw *failed;
-      throw Error(reg_[std::size_t(verdict - 1)].block->name(),
-                  "decomposition failed on another rank (see that rank's error); nothing changed");
+      if (world == 1) throw *failed;
+      const int root = world - int(verdict);
+      const bool me = rank == root;
+      const std::string layer = dist_.share_message(me ? failed->layer() : "", root);
+      const std::string what = dist_.share_message(me ? bare_message(*failed) : "", root);
+      throw Error(layer, what + " (on rank " + std::to_string(root) + "; every rank restored its state)");
     }
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       auto& e = reg_[l];
