@@ -314,3 +314,46 @@ TEST_CASE("type traits recognize the library's and the user's types", "[core][tr
   static_assert(ScaledIdentity::accepts<kfac::Dense> && !ScaledIdentity::accepts<kfac::Conv2d>);
   SUCCEED();
 }
+
+template <class V>
+std::vector<double> host_values(const V& v) {
+  auto h = Kokkos::create_mirror_view(v);
+  Kokkos::deep_copy(h, v);
+  return std::vector<double>(h.data(), h.data() + h.span());
+}
+
+TEST_CASE("an eigendecomposition retry decomposes F + damping I, not F again", "[core][retry]") {
+  // Block level: decompose_retry(attempt >= 1) solves the shifted problem and takes the shift off
+  // the eigenvalues again: the same decomposition to rounding, but another computation.
+  Pre pre(core_options());
+  pre.register_layer("fc", kfac::Dense(6, 5));
+  Rng rng(77);
+  DenseBatch d(6, 5, true, 40, rng);
+  d.feed(pre, "fc");
+  pre.step();
+  const auto& block = pre.layer_as<KLayer<kfac::Dense>>("fc");
+  auto& b = const_cast<KLayer<kfac::Dense>&>(block);
+  const Host exec;
+  b.decompose(exec, 0, 1e-2);
+  const auto q0 = host_values(b.decomposition_a()->q);
+  const auto l0 = host_values(b.decomposition_a()->lambda);
+  b.decompose_retry(exec, 0, 0.5, 1);
+  const auto q1 = host_values(b.decomposition_a()->q);
+  const auto l1 = host_values(b.decomposition_a()->lambda);
+  REQUIRE(l0.size() == l1.size());
+  bool any_bit_differs = false;
+  for (std::size_t i = 0; i < l0.size(); ++i) {
+    CHECK(l1[i] == Approx(l0[i]).margin(1e-12));
+    any_bit_differs = any_bit_differs || l1[i] != l0[i];
+  }
+  CHECK(any_bit_differs);  // the shifted solve rounds differently: it did not repeat F
+  // Eigenvectors agree up to sign: |q0^T q1| is the identity.
+  const int n = int(l0.size());
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) {
+      double dot = 0;
+      for (int k = 0; k < n; ++k) dot += q0[std::size_t(i * n + k)] * q1[std::size_t(j * n + k)];
+      if (l0[std::size_t(i)] > 1e-8 && l0[std::size_t(j)] > 1e-8 && std::abs(l0[std::size_t(i)] - l0[std::size_t(j)]) > 1e-6)
+        CHECK(std::abs(dot) == Approx(i == j ? 1.0 : 0.0).margin(1e-8));
+    }
+}

@@ -123,6 +123,10 @@ class Block {
   virtual void release_units() {}
   /// Computes unit u from the statistics, allocating the units if needed.
   virtual void decompose(const Exec&, int, double) {}
+  /// Retry `attempt` (>= 1) of a failed decompose(), with the raised damping; a block whose
+  /// decomposition does not depend on the damping changes the problem here (K-FAC's
+  /// eigendecomposition solves F + damping I), so that a retry is not the same computation.
+  virtual void decompose_retry(const Exec& exec, int u, double damping, int) { decompose(exec, u, damping); }
   virtual std::vector<Buffer> unit_buffers(int) { return {}; }
   /// Called once every unit is in place (computed here or received).
   virtual void finish_decomposition(const Exec&, double, bool) {}

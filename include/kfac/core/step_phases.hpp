@@ -160,12 +160,14 @@ class StepPhases {
 
   /// A failed decomposition (LAPACK info, Cholesky breakdown, Newton-Schulz divergence, NaN/Inf
   /// in the result) is retried with damping x damping_retry_factor, up to max_damping_retries
-  /// times, then reported.
+  /// times (Block::decompose_retry: a changed problem, not the same computation again), then
+  /// reported.
   long with_retries(Entry<Scalar, Exec>& e, int u, double damping) {
     double d = damping;
     for (int attempt = 0;; ++attempt) {
       try {
-        e.block->decompose(exec_, u, d);
+        if (attempt == 0) e.block->decompose(exec_, u, d);
+        else e.block->decompose_retry(exec_, u, d, attempt);
         for (const auto& b : e.block->unit_buffers(u))
           if (nonfinite_in(exec_, b) > 0)
             throw Error(e.block->name(), "decomposition has NaN/Inf values (is the factor finite?)");

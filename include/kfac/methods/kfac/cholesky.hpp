@@ -49,7 +49,7 @@ struct Cholesky {
   struct Factorization : impl::ExplicitInverse<T, Exec> {
     using impl::ExplicitInverse<T, Exec>::ExplicitInverse;
     template <class F>
-    void compute(const Exec& exec, const F& factor, double damping, const Cholesky&) {
+    void compute(const Exec& exec, const F& factor, double damping, const Cholesky&, double = 0) {
       impl::spd_inverse<Backend>(exec, factor, T(std::sqrt(damping)), this->inv);
     }
   };

@@ -51,14 +51,25 @@ struct Eigendecomposition {
     std::size_t bytes() const { return (q.size() + lambda.size()) * sizeof(T); }
     std::vector<impl::Buffer> buffers() const { return {impl::buffer_of(q), impl::buffer_of(lambda)}; }
 
+    /// `shift` > 0 (a retry): decomposes factor + shift I and subtracts shift from the
+    /// eigenvalues, the same decomposition in exact arithmetic but another problem for the solver.
     template <class F>
     void compute(const Exec& exec, const F& factor, double /*damping*/,
-                 const Eigendecomposition& settings) {
-      impl::eigh<Backend>(exec, factor, q, lambda, settings.jacobi_sweeps);
+                 const Eigendecomposition& settings, double shift = 0) {
+      if (shift > 0) {
+        const int n = int(factor.extent(0));
+        impl::Matrix<T, Exec> shifted(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::shifted"), n, n);
+        impl::symmetric_copy(exec, factor, shifted);
+        impl::add_diagonal(exec, shifted, T(shift));
+        impl::eigh<Backend>(exec, shifted, q, lambda, settings.jacobi_sweeps);
+      } else {
+        impl::eigh<Backend>(exec, factor, q, lambda, settings.jacobi_sweeps);
+      }
       auto l = lambda;
+      const T s = T(shift);
       Kokkos::parallel_for(
           "kfac::eigen::clamp", Kokkos::RangePolicy<Exec>(exec, 0, int(l.extent(0))),
-          KOKKOS_LAMBDA(int i) { if (!(l(i) > T(0))) l(i) = T(0); });
+          KOKKOS_LAMBDA(int i) { const T v = l(i) - s; l(i) = v > T(0) ? v : T(0); });
     }
   };
 

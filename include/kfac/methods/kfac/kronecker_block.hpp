@@ -216,12 +216,18 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     work_ = DMatrix();
   }
   void decompose(const Exec& exec, int which, double damping) override {
+    decompose_retry(exec, which, damping, 0);
+  }
+  /// Retries of an eigendecomposition (which ignores the damping) decompose A + damping I and
+  /// take the damping off the eigenvalues again; explicit inverses use the raised damping.
+  void decompose_retry(const Exec& exec, int which, double damping, int attempt) override {
     if constexpr (!diagonal) {
       allocate_units();
-      if (which == 0) fa_->compute(exec, a_, damping, inversion_);
-      else fg_->compute(exec, g_, damping, inversion_);
+      const double shift = attempt > 0 && InversePolicy::damping_at_apply ? damping : 0.0;
+      if (which == 0) fa_->compute(exec, a_, damping, inversion_, shift);
+      else fg_->compute(exec, g_, damping, inversion_, shift);
     } else {
-      (void)exec; (void)which; (void)damping;
+      (void)exec; (void)which; (void)damping; (void)attempt;
     }
   }
   void finish_decomposition(const Exec& exec, double damping, bool precompute) override {

@@ -47,7 +47,7 @@ struct NewtonSchulz {
     using impl::ExplicitInverse<T, Exec>::ExplicitInverse;
     int iterations = 0;  ///< iterations used by the last computation
     template <class F>
-    void compute(const Exec& exec, const F& factor, double damping, const NewtonSchulz& s) {
+    void compute(const Exec& exec, const F& factor, double damping, const NewtonSchulz& s, double = 0) {
       iterations = impl::newton_schulz_inverse(exec, factor, T(std::sqrt(damping)), this->inv,
                                                s.max_iterations, s.tolerance);
     }
