@@ -46,6 +46,8 @@ class Sgd {
 
   const SgdOptions& options() const { return opt_; }
   void set_lr(double lr) { opt_.lr = lr; }
+  /// \brief The momentum buffers, one per parameter in order (what periodic averaging may average).
+  const std::vector<Vector>& velocity() const { return velocity_; }
 
  private:
   std::vector<Param> params_;

@@ -8,10 +8,13 @@
 #include "common/dataset.hpp"
 #include "common/kfac_glue.hpp"
 #include "common/network.hpp"
+#include "common/ngsgd_glue.hpp"
+#include "common/parameter_averaging.hpp"
 #include "common/sgd.hpp"
 #include "common/world.hpp"
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <variant>
@@ -19,13 +22,14 @@
 
 namespace nn {
 
-enum class OptimizerKind { sgd, adam, kfac };
+enum class OptimizerKind { sgd, adam, kfac, ngsgd };
 
 inline const char* to_string(OptimizerKind k) {
   switch (k) {
     case OptimizerKind::sgd: return "sgd";
     case OptimizerKind::adam: return "adam";
     case OptimizerKind::kfac: return "kfac";
+    case OptimizerKind::ngsgd: return "ngsgd";
   }
   return "?";
 }
@@ -34,7 +38,8 @@ inline OptimizerKind parse_optimizer(const std::string& s) {
   if (s == "sgd") return OptimizerKind::sgd;
   if (s == "adam") return OptimizerKind::adam;
   if (s == "kfac") return OptimizerKind::kfac;
-  throw std::invalid_argument("unknown optimizer '" + s + "' (expected sgd, adam, kfac or all)");
+  if (s == "ngsgd") return OptimizerKind::ngsgd;
+  throw std::invalid_argument("unknown optimizer '" + s + "' (expected sgd, adam, kfac, ngsgd or all)");
 }
 
 /// \brief Learning rates used when none is given, per model. MLP: the best of the sweep in
@@ -45,6 +50,7 @@ inline double default_lr(OptimizerKind k, const std::string& model = "mlp") {
     case OptimizerKind::sgd: return 0.05;
     case OptimizerKind::adam: return cnn ? 1e-3 : 2e-3;
     case OptimizerKind::kfac: return cnn ? 0.05 : 0.1;
+    case OptimizerKind::ngsgd: return 0.05;
   }
   return 0.0;
 }
@@ -74,6 +80,9 @@ inline KfacSettings default_kfac(const std::string& model) {
 /// | double | momentum | SGD and K-FAC momentum | 0.9 |
 /// | double | weight_decay | L2 on weights, every optimizer | 0 |
 /// | KfacSettings | kfac | K-FAC settings (its lr and momentum are overridden by the above) | default_kfac("mlp") |
+/// | NgsgdSettings | ngsgd | NG-SGD settings (lr, momentum, weight decay overridden as for K-FAC) | Kaldi's |
+/// | long | average_every | 0: synchronous data-parallel; N: each rank on its own shard, parameters averaged every N steps (sgd, ngsgd) | 0 |
+/// | bool | average_momentum | average the SGD momentum buffers with the parameters (docs/parameter_averaging.md) | false |
 struct TrainSettings {
   std::string model = "mlp";
   OptimizerKind optimizer = OptimizerKind::sgd;
@@ -83,6 +92,9 @@ struct TrainSettings {
   double momentum = 0.9;
   double weight_decay = 0.0;
   KfacSettings kfac = default_kfac("mlp");
+  NgsgdSettings ngsgd;
+  long average_every = 0;
+  bool average_momentum = false;
 };
 
 class Trainer {
@@ -92,13 +104,25 @@ class Trainer {
   ///   slice of every global batch of `s.batch` samples (see world.hpp)
   Trainer(const Dataset& train, const TrainSettings& s, const World& world = World())
       : settings_(s), world_(world), net_(make_model(s.model, s.seed)),
-        batcher_(train, s.batch, derive_seed(s.seed, 3), world.rank(), world.size()),
-        sync_(net_, world), rule_(make_rule(net_, s, world)) {}
+        batcher_(make_batcher(train, s, world)), sync_(net_, s.average_every > 0 ? World() : world),
+        rule_(make_rule(net_, s, world)) {
+    if (s.average_every > 0) {
+      if (s.optimizer != OptimizerKind::sgd && s.optimizer != OptimizerKind::ngsgd)
+        throw std::invalid_argument("--average-every: only sgd and ngsgd train with parameter averaging");
+      const Sgd& sgd = std::holds_alternative<Sgd>(rule_) ? std::get<Sgd>(rule_) : std::get<NgsgdSgd>(rule_).sgd();
+      averaging_ = std::make_unique<ParameterAveraging>(
+          net_.params(), s.average_momentum ? sgd.velocity() : std::vector<Vector>{}, s.average_every, world);
+    } else if (s.optimizer == OptimizerKind::ngsgd && world.size() > 1) {
+      throw std::invalid_argument("ngsgd on several ranks needs --average-every N (its estimates are per rank)");
+    }
+    gradient_bytes_ = s.average_every > 0 ? 0 : gradient_bytes_per_step(net_, world);
+  }
 
   /// \brief Reshuffles for `epoch` (0-based); every epoch starts with this.
   void start_epoch(int epoch) { batcher_.start_epoch(epoch); }
   int steps_per_epoch() const { return batcher_.steps_per_epoch(); }
-  int batch_size() const { return batcher_.batch_size(); }
+  /// \brief Samples per step over all ranks (averaging mode: P local batches).
+  int batch_size() const { return batcher_.batch_size() * (settings_.average_every > 0 ? world_.size() : 1); }
 
   /// \brief One training step on batch `step` of the current epoch; returns once the device is
   /// done, so that a host clock around it measures the step. The statistics are of the whole
@@ -112,7 +136,10 @@ class Trainer {
     if (auto* sgd = std::get_if<Sgd>(&rule_)) sgd->step();
     if (auto* adam = std::get_if<Adam>(&rule_)) adam->step();
     if (auto* kfac = std::get_if<KfacSgd>(&rule_)) kfac->step(net_);
+    if (auto* ngsgd = std::get_if<NgsgdSgd>(&rule_)) ngsgd->step(net_);
     Kokkos::fence();
+    just_averaged_ = averaging_ && averaging_->after_step(steps_taken_);
+    ++steps_taken_;
     if (world_.size() > 1) {
       std::vector<double> v{stats.loss_sum, double(stats.correct), double(stats.count)};
       world_.sum(v);
@@ -134,12 +161,42 @@ class Trainer {
     return total;
   }
 
+  /// \brief Averaging mode: averages now (e.g. after the last step, so that the final model is
+  /// the average). Returns whether it did: false in the synchronous mode or right after an average.
+  bool average_now() {
+    if (!averaging_ || just_averaged_) return false;
+    averaging_->average_now();
+    just_averaged_ = true;
+    return true;
+  }
+  /// \brief Averaging mode: whether the last step ended with an average (all ranks agree).
+  bool just_averaged() const { return just_averaged_; }
+  const ParameterAveraging* averaging() const { return averaging_.get(); }
+  /// \brief Bytes this rank sent so far: the parameter averager's in averaging mode; in the
+  /// synchronous mode the gradient averaging's (measured per step, times the steps taken) plus
+  /// NG-SGD's (0). K-FAC's factor traffic is not included (its communicator is inside KfacSgd).
+  std::size_t bytes_sent() const {
+    std::size_t b = averaging_ ? averaging_->bytes_sent() : gradient_bytes_ * std::size_t(steps_taken_);
+    if (auto* ngsgd = std::get_if<NgsgdSgd>(&rule_)) b += ngsgd->bytes_sent();
+    return b;
+  }
+
   Network& network() { return net_; }
   const TrainSettings& settings() const { return settings_; }
   double lr() const { return settings_.lr > 0 ? settings_.lr : default_lr(settings_.optimizer, settings_.model); }
 
  private:
-  using Rule = std::variant<Sgd, Adam, KfacSgd>;
+  using Rule = std::variant<Sgd, Adam, KfacSgd, NgsgdSgd>;
+
+  /// Synchronous mode: every rank its slice of the same global batch. Averaging mode: every rank
+  /// its own shard, batches of batch / P from it (the same samples per step over all ranks).
+  static Batcher make_batcher(const Dataset& train, const TrainSettings& s, const World& world) {
+    if (s.average_every == 0) return Batcher(train, s.batch, derive_seed(s.seed, 3), world.rank(), world.size());
+    if (s.batch % world.size() != 0)
+      throw std::invalid_argument("nn::Trainer: the batch (" + std::to_string(s.batch) + ") must split evenly over " +
+                                  std::to_string(world.size()) + " processes");
+    return Batcher(shard(train, world.rank(), world.size()), s.batch / world.size(), derive_seed(s.seed, 3));
+  }
 
   static Rule make_rule(Network& net, const TrainSettings& s, const World& world) {
     const double lr = s.lr > 0 ? s.lr : default_lr(s.optimizer, s.model);
@@ -155,6 +212,13 @@ class Trainer {
         k.weight_decay = s.weight_decay;
         return KfacSgd(net, k, world);
       }
+      case OptimizerKind::ngsgd: {
+        NgsgdSettings g = s.ngsgd;
+        g.lr = lr;
+        g.momentum = s.momentum;
+        g.weight_decay = s.weight_decay;
+        return NgsgdSgd(net, g, world);
+      }
     }
     throw std::logic_error("unreachable");
   }
@@ -166,6 +230,10 @@ class Trainer {
   GradientSync sync_;
   SoftmaxCrossEntropy loss_;
   Rule rule_;
+  std::unique_ptr<ParameterAveraging> averaging_;
+  std::size_t gradient_bytes_ = 0;
+  long steps_taken_ = 0;
+  bool just_averaged_ = false;
 };
 
 }  // namespace nn

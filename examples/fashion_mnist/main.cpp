@@ -59,13 +59,17 @@ void usage() {
       "  --epochs N                      epochs per run (default 8)\n"
       "  --batch N                       samples per step, over all processes (default 256)\n"
       "  --lr X[,Y...]                   learning rate(s) of every optimizer run\n"
-      "  --lr-sgd L --lr-adam L --lr-kfac L   comma lists per optimizer (a learning-rate sweep)\n"
-      "                                  (defaults: mlp sgd %g, adam %g, kfac %g; cnn sgd %g, adam %g, kfac %g)\n"
+      "  --lr-sgd L --lr-adam L --lr-kfac L --lr-ngsgd L   comma lists per optimizer (a learning-rate sweep)\n"
+      "                                  (defaults: mlp sgd %g, adam %g, kfac %g; cnn sgd %g, adam %g, kfac %g; ngsgd %g)\n"
       "  --momentum X                    SGD / K-FAC momentum (default 0.9)\n"
       "  --weight-decay X                L2 on weights (default 0)\n"
       "  --damping X --kl-clip X --factor-decay X --factor-every N --inv-every N\n"
       "                                  K-FAC settings (mlp 0.3, 1e-2, 0.95, 10, 100; cnn 0.1, 1e-3, 0.95, 10, 100)\n"
       "  --inverse eigen|cholesky        K-FAC inversion of Dense/Conv2d factors (mlp cholesky, cnn eigen)\n"
+      "  --ngsgd-period N --ngsgd-alpha X --ngsgd-rank R   NG-SGD settings (Kaldi's: 4, 4, rank -1 = min(20|80, (d+1)/2))\n"
+      "  --average-every N               under mpiexec: each rank trains on its own shard, parameters averaged\n"
+      "                                  every N steps (sgd, ngsgd); 0 = synchronous data-parallel (default 0)\n"
+      "  --average-momentum 0|1          also average the SGD momentum buffers (default 0)\n"
       "  --seeds A,B,...                 seeds of initialisation and batch order (default 1,2,3)\n"
       "  --seed N                        one seed (same as --seeds N)\n"
       "  --threads N                     BLAS threads (default: leave OpenBLAS's choice)\n"
@@ -78,7 +82,8 @@ void usage() {
       "  --target-acc X                  accuracy for the time-to-target columns (default 0.88)\n",
       nn::default_lr(nn::OptimizerKind::sgd, "mlp"), nn::default_lr(nn::OptimizerKind::adam, "mlp"),
       nn::default_lr(nn::OptimizerKind::kfac, "mlp"), nn::default_lr(nn::OptimizerKind::sgd, "cnn"),
-      nn::default_lr(nn::OptimizerKind::adam, "cnn"), nn::default_lr(nn::OptimizerKind::kfac, "cnn"));
+      nn::default_lr(nn::OptimizerKind::adam, "cnn"), nn::default_lr(nn::OptimizerKind::kfac, "cnn"),
+      nn::default_lr(nn::OptimizerKind::ngsgd, "mlp"));
 }
 
 double to_number(const std::string& key, const std::string& value) {
@@ -140,6 +145,12 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--lr-sgd") a.lrs["sgd"] = to_numbers(key, value);
     else if (key == "--lr-adam") a.lrs["adam"] = to_numbers(key, value);
     else if (key == "--lr-kfac") a.lrs["kfac"] = to_numbers(key, value);
+    else if (key == "--lr-ngsgd") a.lrs["ngsgd"] = to_numbers(key, value);
+    else if (key == "--ngsgd-period") num(a.train.ngsgd.update_period);
+    else if (key == "--ngsgd-alpha") num(a.train.ngsgd.alpha);
+    else if (key == "--ngsgd-rank") num(a.train.ngsgd.rank);
+    else if (key == "--average-every") num(a.train.average_every);
+    else if (key == "--average-momentum") num(a.train.average_momentum);
     else if (key == "--momentum") num(a.train.momentum);
     else if (key == "--weight-decay") num(a.train.weight_decay);
     else if (key == "--damping") num(a.train.kfac.damping);
@@ -185,9 +196,19 @@ std::vector<double> learning_rates(const Args& a, nn::OptimizerKind kind) {
 std::vector<nn::OptimizerKind> optimizers(const std::string& s, bool lead) {
   if (s != "all") return {nn::parse_optimizer(s)};
   std::vector<nn::OptimizerKind> all{nn::OptimizerKind::sgd, nn::OptimizerKind::adam};
-  if (KFAC_EXAMPLES_HAVE_KFAC) all.push_back(nn::OptimizerKind::kfac);
+  if (KFAC_EXAMPLES_HAVE_KFAC) {
+    all.push_back(nn::OptimizerKind::kfac);
+    all.push_back(nn::OptimizerKind::ngsgd);
+  }
   else if (lead) std::printf("note: built without kfac; comparing sgd and adam only\n");
   return all;
+}
+
+/// \brief The name of a run in the tables, log and plot: "sgd", or "sgd+avg100" in averaging mode.
+std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s) {
+  std::string n = nn::to_string(k);
+  if (s.average_every > 0) n += "+avg" + std::to_string(s.average_every) + (s.average_momentum ? "m" : "");
+  return n;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -204,12 +225,14 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
   // Default: 4 evaluations per epoch, evenly spaced, the last at its end.
   const int per_epoch = steps < 4 ? steps : 4;
   auto eval_due = [&](long global_step, int i) {
+    // Averaging mode: right after each average (when the ranks agree) and after the last step.
+    if (s.average_every > 0) return trainer.just_averaged() || global_step == long(steps) * args.epochs;
     if (args.eval_every > 0) return global_step % args.eval_every == 0 || i + 1 == steps;
     return (i + 1) * per_epoch / steps != i * per_epoch / steps;
   };
   const long total_steps = long(steps) * args.epochs;
-  const std::string name = nn::to_string(s.optimizer);
-  const std::string schedule = args.eval_every > 0 ? "test every " + std::to_string(args.eval_every) + " steps"
+  const std::string name = run_name(s.optimizer, s);
+  const std::string schedule = s.average_every > 0 ? "test after each average" : args.eval_every > 0 ? "test every " + std::to_string(args.eval_every) + " steps"
                                                     : "test " + std::to_string(per_epoch) + " times per epoch";
   if (lead)
     std::printf("[%s] lr %g, seed %llu, %d steps/epoch of %d samples%s, %s\n", name.c_str(), trainer.lr(),
@@ -249,6 +272,7 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
       std::string failure;
       try {
         b = trainer.step(i);
+        if (step + 1 == total_steps) trainer.average_now();  // the final model is the average
         if (!std::isfinite(b.loss_sum)) failure = "the training loss is not finite (try a smaller --lr)";
       } catch (const std::exception& e) {  // e.g. kfac::Error on non-finite observations
         failure = e.what();
@@ -283,6 +307,14 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
   }
   run.train_s = train_s;
   run.total_s = seconds_since(start);
+  if (lead && world.size() > 1) {
+    const double epochs_run = double(step) / steps;
+    std::printf("[%s] communication: %.3g MB sent per epoch by rank 0 (%s)\n", name.c_str(),
+                double(trainer.bytes_sent()) / epochs_run / 1e6,
+                s.average_every > 0 ? ("kfac::ParameterAverager, " + std::to_string(trainer.averaging()->averages()) + " averages").c_str()
+                                    : s.optimizer == nn::OptimizerKind::kfac ? "kfac::GradientAverager; K-FAC's factors not counted"
+                                                                             : "kfac::GradientAverager, every step");
+  }
   return run;
 }
 
@@ -324,7 +356,8 @@ int run(const Args& args, const nn::World& world) {
   const auto groups = demo::group_runs(runs);
   std::vector<const demo::RunSummary*> shown;
   for (nn::OptimizerKind k : kinds) {
-    const std::string name = nn::to_string(k);
+    nn::TrainSettings named = args.train;
+    const std::string name = run_name(k, named);
     const demo::Group* g = demo::best_group(groups, name, args.target_acc);
     for (const auto& x : groups)
       if (!g && x.optimizer == name) g = &x;

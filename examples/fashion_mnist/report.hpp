@@ -268,15 +268,21 @@ inline void print_summary(const std::vector<RunSummary>& runs, double target) {
   const Group* kfac = best_group(groups, "kfac", target);
   const Group* sgd = best_group(groups, "sgd", target);
   const Group* adam = best_group(groups, "adam", target);
+  const Group* ngsgd = best_group(groups, "ngsgd", target);
   const Group* rival = sgd && adam ? (sgd->time_to(target).mean <= adam->time_to(target).mean ? sgd : adam)
                                    : (sgd ? sgd : adam);
   std::printf("\n");
-  for (const Group* g : {sgd, adam, kfac})
+  for (const Group* g : {sgd, adam, kfac, ngsgd})
     if (g) std::printf("best lr of %s: %s (time to %.1f%%: %s)\n", g->optimizer.c_str(), format_lr(g->lr).c_str(),
                        100 * target, format_spread(g->time_to(target), "s").c_str());
   if (kfac && rival)
     std::printf("K-FAC reaches %.1f%% in %.2fx the time of %s (best lr of each, means over seeds)\n", 100 * target,
                 kfac->time_to(target).mean / rival->time_to(target).mean, rival->optimizer.c_str());
+  if (ngsgd && sgd)
+    std::printf("NG-SGD reaches %.1f%% in %.2f epochs against SGD's %.2f, %.2fx its time; s/epoch %.2fx SGD's "
+                "(best lr of each, means over seeds)\n", 100 * target, ngsgd->epochs_to(target).mean,
+                sgd->epochs_to(target).mean, ngsgd->time_to(target).mean / sgd->time_to(target).mean,
+                ngsgd->seconds_per_epoch().mean / sgd->seconds_per_epoch().mean);
 }
 
 /// \brief Writes `dir/accuracy.gp` and runs gnuplot on it to draw `dir/accuracy.png`: test
