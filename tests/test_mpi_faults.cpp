@@ -263,3 +263,38 @@ TEST_CASE("a decomposition failure gives the same message on every rank", "[mpi]
   CHECK(same_everywhere(o.what));
   CHECK(o.what.find("on rank " + std::to_string(bad)) != std::string::npos);
 }
+
+TEST_CASE("observations that would overflow a bfloat16 payload on one rank are the same error everywhere, or skip everywhere",
+          "[mpi][faults][payload]") {
+  if (size_of() == 1) return;  // one rank sends nothing: the payload does not apply
+  const int bad = size_of() - 1;
+  for (auto policy : {kfac::NonFinitePolicy::raise, kfac::NonFinitePolicy::skip}) {
+    const kfac::Options o = fault_options().with_comm_precision(kfac::CommPrecision::bfloat16).with_nonfinite_policy(policy);
+    Pair p(o, o);
+    REQUIRE(everywhere(p.warm()));
+    const std::string before = saved(p.pre);
+    Grads g = feed(p.pre, p.net, kSeed, kWarm, rank_in());
+    // Finite in double, but its A would hold about 5e40: beyond bfloat16's 3.4e38.
+    V2 huge("huge", 4, 5), dy("dy", 4, 4);
+    Kokkos::deep_copy(huge, 1e20);
+    Kokkos::deep_copy(dy, 0.5);
+    if (rank_in() == bad) {
+      p.pre.observe_input("fc1", huge);
+      p.pre.observe_output_grad("fc1", dy);
+    }
+    if (policy == kfac::NonFinitePolicy::raise) {
+      const Outcome out = attempt([&] { p.pre.step(); });
+      check_refused("payload overflow (raise)", out, "layer 'fc1': observations would overflow the reduced-precision communication payload");
+      CHECK(everywhere(saved(p.pre) == before));
+      // The pending observation cannot be taken back: restore the last good state and go on.
+      REQUIRE(loaded(p.pre, before));
+      Grads again = feed(p.pre, p.net, kSeed, kWarm, rank_in());
+      REQUIRE_NOTHROW(p.pre.step());
+      p.check_recovered(again, kWarm);
+    } else {
+      REQUIRE_NOTHROW(p.pre.step());
+      CHECK(everywhere(p.pre.skipped_steps() == 1));
+      CHECK(everywhere(p.pre.last_factor_step() == kWarm - 1));  // the update was not applied
+    }
+  }
+}

@@ -155,8 +155,9 @@ class Preconditioner {
       v = StepValues::at(options_, step_);
       for (std::size_t l = 0; l < reg_.size(); ++l)
         due[l] = {factor_due(reg_[l]), step_ >= reg_[l].schedule.next_inv, reg_[l].values_at(options_, step_)};
-      mine.poisoned = poisoned_ || (options_.nonfinite == NonFinitePolicy::skip && impl::nonfinite_step(reg_, due, exec_));
-      impl::validate_step(reg_, due, options_, exec_, step_, mine.poisoned);
+      const double payload_max = dist_.payload_max(options_);
+      mine.poisoned = poisoned_ || (options_.nonfinite == NonFinitePolicy::skip && impl::nonfinite_step(reg_, due, exec_, payload_max));
+      impl::validate_step(reg_, due, options_, exec_, step_, mine.poisoned, payload_max);
     } catch (const Error& e) {
       mine.error = e;
     }

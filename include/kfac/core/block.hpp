@@ -100,6 +100,9 @@ class Block {
   virtual std::string observations_problem() const = 0;
   /// True when the pending observations would overflow the statistics' type.
   virtual bool observations_overflow() const = 0;
+  /// The largest value the pending observations' statistics can reach (K-FAC: the larger new
+  /// factor's trace); a reduced-precision payload is checked against it. 0: not known.
+  virtual double observations_scale() const { return 0; }
   virtual void clear_observations() = 0;
 
   /// Folds the pending observations into the running statistics (kept pending, see above).

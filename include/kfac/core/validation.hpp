@@ -77,7 +77,7 @@ void take_gradient(Entry& entry, const W& weight, const B& bias) {
 /// are not checked.
 template <class Registry, class DueList, class Exec>
 void validate_step(const Registry& reg, const DueList& due, const Options& o, const Exec& exec, long step,
-                   bool poisoned) {
+                   bool poisoned, double payload_max) {
   for (std::size_t l = 0; l < reg.size(); ++l) {
     const auto& e = reg[l];
     if (e.skipped) continue;
@@ -92,6 +92,10 @@ void validate_step(const Registry& reg, const DueList& due, const Options& o, co
     if (due[l].factor && !poisoned) {
       const std::string why = e.block->observations_problem();
       if (!why.empty()) throw Error(n, why + " before the factor update at step " + std::to_string(step));
+      if (!(e.block->observations_scale() <= payload_max))
+        throw Error(n, "observations would overflow the reduced-precision communication payload (statistic " +
+                           std::to_string(e.block->observations_scale()) + ", largest payload value " +
+                           std::to_string(payload_max) + ") at step " + std::to_string(step));
     } else if (!due[l].factor && !e.block->has_statistics()) {
       throw Error(n, "has no factors yet: it must be observed on a factor-update step before it can be preconditioned");
     }
@@ -107,14 +111,16 @@ bool check_finite(const Exec& exec, const Options& o, const std::string& name, c
   throw Error(name, std::string(what) + " contains " + std::to_string(bad) + " NaN/Inf value(s); the observation was not used");
 }
 
-/// True when some layer's gradient has NaN/Inf, or its due observations would overflow.
+/// True when some layer's gradient has NaN/Inf, or its due observations would overflow the
+/// statistics' type or the communication payload.
 template <class Registry, class DueList, class Exec>
-bool nonfinite_step(const Registry& reg, const DueList& due, const Exec& exec) {
+bool nonfinite_step(const Registry& reg, const DueList& due, const Exec& exec, double payload_max) {
   for (std::size_t l = 0; l < reg.size(); ++l) {
     const auto& e = reg[l];
     if (e.skipped) continue;
     if (e.has_gradient && (count_nonfinite(exec, e.w) > 0 || count_nonfinite(exec, e.b) > 0)) return true;
-    if (due[l].factor && e.block->observations_overflow()) return true;
+    if (due[l].factor && (e.block->observations_overflow() || !(e.block->observations_scale() <= payload_max)))
+      return true;
   }
   return false;
 }

@@ -5,6 +5,7 @@
 /// curvature (Kaldi's independent jobs with parameter averaging, FDG's pipeline stages), and
 /// for ranks that register different layers.
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,7 @@ struct Independent {
     /// Ranks decide alone: the agreement at the top of a step involves only this rank.
     int agreement_size() const { return 1; }
     bool sends_increments(const Options&, std::size_t) const { return false; }
+    double payload_max(const Options&) const { return HUGE_VAL; }
     void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
     void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}
     void share_gradient(std::size_t, const impl::Buffer&) {}

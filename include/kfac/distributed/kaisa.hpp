@@ -11,6 +11,8 @@
 /// share_units() and share_gradients(). The state owns every sub-communicator it makes.
 
 #include <Kokkos_Core.hpp>
+#include <cfloat>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -81,6 +83,12 @@ struct Kaisa {
       if (comm_.size() == 1) return false;
       return o.comm_precision == CommPrecision::bfloat16 ||
              (o.comm_precision == CommPrecision::float32 && scalar_size == 8);
+    }
+    /// Largest statistic the payload can carry: the payload type's range when it is narrower
+    /// than the statistics (bfloat16, or float32 for double statistics), else unlimited.
+    double payload_max(const Options& o) const {
+      if (comm_.size() == 1 || o.comm_precision == CommPrecision::native) return HUGE_VAL;
+      return o.comm_precision == CommPrecision::bfloat16 ? 3.3895313892515355e38 : double(FLT_MAX);
     }
     /// Averages the buffers over all ranks in buckets of at most bucket_bytes, per scalar size
     /// (float first), symmetric factors as packed triangles; bit-identical on every rank.

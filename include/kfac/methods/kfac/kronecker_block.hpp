@@ -3,6 +3,7 @@
 /// \brief The K-FAC block of one Kronecker-factored layer, composed from a layer-type, factor,
 /// inversion and precision policy.
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -128,6 +129,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     g_norm_ += layer_.g_normalizer(e);
     g_trace_ += impl::sum_of_squares(exec, rows);
     g_samples_ += e[0];
+  }
+  double observations_scale() const override {
+    return std::max(a_norm_ > 0 ? a_trace_ / a_norm_ : 0.0, g_norm_ > 0 ? g_trace_ / g_norm_ : 0.0);
   }
   bool observations_overflow() const override {
     if (a_norm_ == 0 || g_norm_ == 0) return false;
