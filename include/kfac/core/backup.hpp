@@ -11,6 +11,14 @@
 namespace kfac {
 namespace impl {
 
+/// A device-to-device copy of `b`, in a view of its own.
+template <class Exec>
+Kokkos::View<char*, typename Exec::memory_space> copy_of(const Exec& exec, const Buffer& b) {
+  Kokkos::View<char*, typename Exec::memory_space> copy(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::backup"), b.bytes());
+  Kokkos::deep_copy(exec, copy, Kokkos::View<char*, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(static_cast<char*>(b.data), b.bytes()));
+  return copy;
+}
+
 template <class Exec>
 class StateBackup {
  public:
@@ -18,9 +26,7 @@ class StateBackup {
   /// Copies `b` (device to device).
   void save(const Exec& exec, const Buffer& b) {
     if (b.bytes() == 0) return;
-    Kokkos::View<char*, memory_space> copy(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::backup"), b.bytes());
-    Kokkos::deep_copy(exec, copy, view(b));
-    saved_.push_back({b, copy});
+    saved_.push_back({b, copy_of(exec, b)});
   }
   /// Writes every saved copy back, newest last-saved first, then forgets them.
   void restore(const Exec& exec) {
@@ -29,6 +35,12 @@ class StateBackup {
     saved_.clear();
   }
   void clear() { saved_.clear(); }
+  /// The saved copy of `b`, or nullptr when `b` was not saved.
+  const void* copy_for(const Buffer& b) const {
+    for (const auto& s : saved_)
+      if (s.first.data == b.data && s.first.bytes() == b.bytes()) return s.second.data();
+    return nullptr;
+  }
 
  private:
   static Kokkos::View<char*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> view(const Buffer& b) {

@@ -54,12 +54,15 @@ class StepPhases {
       const bool had = e.block->has_statistics();
       if (decomposes && had)
         for (const auto& b : e.block->checkpoint_state()) backup_.save(exec_, b);
-      std::vector<FactorBuffer> mine = e.block->averaged_state();
-      for (auto& f : mine)  // reduced-precision payloads carry the increment over the old value
-        if (had && dist_.sends_increments(o_, f.storage.scalar_size)) f.base = keep(f.storage);
+      std::vector<const void*> bases;  // reduced-precision payloads carry the increment over these
+      for (const auto& f : e.block->averaged_state())
+        bases.push_back(had && dist_.sends_increments(o_, f.storage.scalar_size) ? keep(f.storage) : nullptr);
       e.block->update_statistics(exec_, due_[l].values.factor_decay);
-      for (const auto& f : e.block->averaged_state()) averaged.push_back(f);
-      for (std::size_t k = 0; k < mine.size(); ++k) averaged[averaged.size() - mine.size() + k].base = mine[k].base;
+      auto now = e.block->averaged_state();  // the first update allocates the storage
+      for (std::size_t k = 0; k < now.size(); ++k) {
+        now[k].base = bases[k];
+        averaged.push_back(now[k]);
+      }
     }
     dist_.average(exec_, averaged, o_);
   }
@@ -186,10 +189,9 @@ class StepPhases {
 
   /// A copy of `b` that lives until the end of the step.
   const void* keep(const Buffer& b) {
-    Kokkos::View<char*, typename Exec::memory_space> copy(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::comm::base"), b.bytes());
-    Kokkos::deep_copy(exec_, copy, Kokkos::View<char*, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(static_cast<char*>(b.data), b.bytes()));
-    kept_.push_back(copy);
-    return copy.data();
+    if (const void* saved = backup_.copy_for(b)) return saved;  // already copied for a rollback
+    kept_.push_back(copy_of(exec_, b));
+    return kept_.back().data();
   }
 
   /// Puts statistics and decompositions back as they were before this step.

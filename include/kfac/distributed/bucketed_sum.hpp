@@ -1,7 +1,7 @@
 #pragma once
 /// \file bucketed_sum.hpp
-/// \brief Host views averaged in place over ranks, in buckets: the loop that GradientAverager
-/// and ParameterAverager share (each value x becomes post * sum_r(pre_r * x_r)).
+/// \brief Views averaged in place over ranks, in buckets: the loop that GradientAverager and
+/// ParameterAverager share (each value x becomes post * sum_r(pre_r * x_r)).
 
 #include <Kokkos_Core.hpp>
 #include <cstddef>
@@ -11,6 +11,7 @@
 #include "kfac/core/block.hpp"
 #include "kfac/distributed/bucketing.hpp"
 #include "kfac/distributed/comm_precision.hpp"
+#include "kfac/distributed/staging.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
@@ -28,13 +29,26 @@ Buffer host_buffer_of(const View& v, const char* who) {
   return buffer_of(v);
 }
 
+/// Copies `count` values of `src` (from `src_off`) into `dst` (from `dst_off`), each times
+/// `scale`; both in Exec's memory. A free function: nvcc rejects device lambdas in private members.
+template <class Exec, class T>
+void copy_scaled(const Exec& exec, T* dst, std::size_t dst_off, const T* src, std::size_t src_off,
+                 std::size_t count, T scale) {
+  Kokkos::parallel_for(
+      "kfac::averager::copy", Kokkos::RangePolicy<Exec>(exec, 0, count),
+      KOKKOS_LAMBDA(std::size_t i) { dst[dst_off + i] = src[src_off + i] * scale; });
+}
+
 /// \brief Every value x of the buffers of scalar type T becomes post * sum over ranks of
 /// (pre * x), in place, in buckets of at most `bucket_bytes` (views split across buckets).
-/// Comm::sum gives every rank the same bits, so the result is identical on every rank.
-/// Returns the collectives used.
-template <class T, class Comm>
-std::size_t bucketed_sum(const Comm& comm, const std::vector<Buffer>& all, std::size_t bucket_bytes,
-                         T pre, T post) {
+/// Buckets are packed and unpacked by kernels on `exec` into `staging` (grown as needed, in
+/// Exec's memory); a communicator that cannot read that memory gets a host copy. Comm::sum
+/// gives every rank the same bits, so the result is identical on every rank. Returns the
+/// collectives used.
+template <class T, class Exec, class Comm>
+std::size_t bucketed_sum(const Exec& exec, const Comm& comm, const std::vector<Buffer>& all,
+                         std::size_t bucket_bytes, T pre, T post,
+                         Kokkos::View<char*, typename Exec::memory_space>& staging) {
   std::vector<Buffer> mine;
   std::vector<std::size_t> counts;
   for (const auto& b : all)
@@ -42,22 +56,28 @@ std::size_t bucketed_sum(const Comm& comm, const std::vector<Buffer>& all, std::
       mine.push_back(b);
       counts.push_back(b.count);
     }
+  // A view larger than a bucket travels in pieces of its own.
   const auto buckets = plan_buckets(counts, bucket_bytes / sizeof(T), true);
-  std::vector<T> bucket;
   for (const auto& pieces : buckets) {
-    bucket.clear();
-    for (const auto& p : pieces) {
-      const T* src = static_cast<const T*>(mine[p.item].data) + p.start;
-      for (std::size_t i = 0; i < p.count; ++i) bucket.push_back(pre * src[i]);
-    }
-    comm.sum(bucket.data(), bucket.size(), sizeof(T), CommPrecision::native);
+    const std::size_t count = bucket_count(pieces);
+    if (staging.extent(0) < count * sizeof(T))
+      staging = Kokkos::View<char*, typename Exec::memory_space>("kfac::averager::staging", count * sizeof(T));
+    T* flat = reinterpret_cast<T*>(staging.data());
     std::size_t off = 0;
-    for (const auto& p : pieces) {
-      T* d = static_cast<T*>(mine[p.item].data) + p.start;
-      for (std::size_t i = 0; i < p.count; ++i) d[i] = bucket[off + i] * post;
+    for (const auto& p : pieces) {  // pack
+      copy_scaled(exec, flat, off, static_cast<const T*>(mine[p.item].data), p.start, p.count, pre);
+      off += p.count;
+    }
+    exec.fence();  // before the communicator reads the bucket
+    on_host<Exec>(comm, flat, count * sizeof(T),
+                  [&](void* data) { comm.sum(data, count, sizeof(T), CommPrecision::native); });
+    off = 0;
+    for (const auto& p : pieces) {  // unpack
+      copy_scaled(exec, static_cast<T*>(mine[p.item].data), p.start, flat, off, p.count, post);
       off += p.count;
     }
   }
+  exec.fence();  // the values are read next, maybe on the host
   return buckets.size();
 }
 

@@ -8,26 +8,11 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
-#include "kfac/distributed/bucketing.hpp"
+#include "kfac/distributed/bucketed_sum.hpp"
 #include "kfac/distributed/comm_precision.hpp"
-#include "kfac/distributed/staging.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
-namespace impl {
-
-/// Copies `count` values of `src` (from `src_off`) into `dst` (from `dst_off`), each times
-/// `scale`; both in Exec's memory. A free function: nvcc rejects device lambdas in private members.
-template <class Exec, class T>
-void copy_scaled(const Exec& exec, T* dst, std::size_t dst_off, const T* src, std::size_t src_off,
-                 std::size_t count, T scale) {
-  Kokkos::parallel_for(
-      "kfac::averager::copy", Kokkos::RangePolicy<Exec>(exec, 0, count),
-      KOKKOS_LAMBDA(std::size_t i) { dst[dst_off + i] = src[src_off + i] * scale; });
-}
-
-}  // namespace impl
-
 /// \brief Averages a fixed set of gradient views over ranks, in place, in buckets of at most
 /// `bucket_bytes` (one collective per bucket). The result is bit-identical on every rank.
 ///
@@ -74,38 +59,7 @@ class GradientAverager {
  private:
   template <class T>
   void average_typed() {
-    std::vector<impl::Buffer> mine;
-    std::vector<std::size_t> counts;
-    for (const auto& b : buffers_)
-      if (b.scalar_size == sizeof(T)) {
-        mine.push_back(b);
-        counts.push_back(b.count);
-      }
-    // A view larger than a bucket travels in pieces of its own.
-    const auto buckets = impl::plan_buckets(counts, bucket_bytes_ / sizeof(T), true);
-    const Exec exec;
-    const T inv = T(1) / T(comm_.size());
-    for (const auto& pieces : buckets) {
-      const std::size_t count = impl::bucket_count(pieces);
-      if (staging_.extent(0) < count * sizeof(T))
-        staging_ = Kokkos::View<char*, memory_space>("kfac::averager::staging", count * sizeof(T));
-      T* flat = reinterpret_cast<T*>(staging_.data());
-      std::size_t off = 0;
-      for (const auto& p : pieces) {  // pack
-        impl::copy_scaled(exec, flat, off, static_cast<const T*>(mine[p.item].data), p.start, p.count, T(1));
-        off += p.count;
-      }
-      exec.fence();  // before MPI reads the bucket
-      impl::on_host<Exec>(comm_, flat, count * sizeof(T),
-                          [&](void* data) { comm_.sum(data, count, sizeof(T), CommPrecision::native); });
-      ++collectives_;
-      off = 0;
-      for (const auto& p : pieces) {  // unpack and average
-        impl::copy_scaled(exec, static_cast<T*>(mine[p.item].data), p.start, flat, off, p.count, inv);
-        off += p.count;
-      }
-    }
-    exec.fence();  // the gradients are read next, maybe on the host
+    collectives_ += impl::bucketed_sum<T>(Exec{}, comm_, buffers_, bucket_bytes_, T(1), T(1) / T(comm_.size()), staging_);
   }
 
   Comm comm_;

@@ -86,8 +86,9 @@ class ParameterAverager {
       bytes_ += comm_.bytes_sent() - sent_before;
       throw Error("", "ParameterAverager: the weights of all ranks are 0; nothing was averaged");
     }
-    collectives_ += impl::bucketed_sum<float>(comm_, buffers_, bucket_bytes_, float(weight), float(1.0 / w[0]));
-    collectives_ += impl::bucketed_sum<double>(comm_, buffers_, bucket_bytes_, weight, 1.0 / w[0]);
+    const Kokkos::DefaultHostExecutionSpace host;
+    collectives_ += impl::bucketed_sum<float>(host, comm_, buffers_, bucket_bytes_, float(weight), float(1.0 / w[0]), staging_);
+    collectives_ += impl::bucketed_sum<double>(host, comm_, buffers_, bucket_bytes_, weight, 1.0 / w[0], staging_);
     bytes_ += comm_.bytes_sent() - sent_before;
     ++averages_;
   }
@@ -121,6 +122,7 @@ class ParameterAverager {
   bool checked_ = false;
   std::size_t collectives_ = 0, bytes_ = 0;
   long averages_ = 0;
+  Kokkos::View<char*, Kokkos::HostSpace> staging_;
 };
 
 }  // namespace kfac
