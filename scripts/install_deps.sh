@@ -11,6 +11,7 @@ packages=(
   zlib1g-dev gnuplot-nox
   clang libclang-rt-14-dev
   dataset-fashion-mnist
+  libtorch-dev
 )
 missing=()
 for p in "${packages[@]}"; do
