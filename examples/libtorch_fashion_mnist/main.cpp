@@ -195,11 +195,7 @@ demo::RunSummary train_one(const Args& a, const std::string& name, double lr, st
   const int per_epoch = std::min(steps, 4);
   std::printf("[%s] lr %g, seed %llu, %d steps/epoch of %d samples, test %d times per epoch\n", name.c_str(), lr,
               (unsigned long long)seed, steps, batch, per_epoch);
-  demo::RunSummary run;
-  run.optimizer = name;
-  run.lr = lr;
-  run.seed = seed;
-  run.steps_per_epoch = steps;
+  demo::RunSummary run{name, lr, seed, steps, {}, 0.0, 0.0, 0.0, false};
   demo::Progress progress;
   const Clock::time_point start = Clock::now();
   double train_s = 0, loss_since = 0;
