@@ -53,6 +53,9 @@
 
 #include "kfac/adapters/raw.hpp"
 #include "kfac/kfac.hpp"
+#if KFAC_HAVE_MPI
+#include "kfac/distributed/mpi_comm.hpp"
+#endif
 
 namespace kfac {
 namespace adapters {
@@ -71,12 +74,19 @@ enum class TokenReduction {
 /// |---|---|---|---|
 /// | vector<string> | skip | module paths (glob: `*` any run of characters, `?` one) or types (`Conv2d`, `torch::nn::Conv2d`, `torch::nn::Conv2dImpl`, kfac kinds `dense`, `conv2d`, `batch_norm`) left out | {} |
 /// | TokenReduction | tokens | how Linear modules reduce 3-D inputs | none |
+/// | optional<MpiComm> | mpi | (builds with MPI) distribute kfac's work over these ranks | unset: serial |
 struct TorchOptions {
   std::vector<std::string> skip;
   TokenReduction tokens = TokenReduction::none;
 
   TorchOptions& with_skip(std::vector<std::string> patterns) { skip = std::move(patterns); return *this; }
   TorchOptions& with_token_reduction(TokenReduction t) { tokens = t; return *this; }
+#if KFAC_HAVE_MPI
+  std::optional<MpiComm> mpi;
+  /// rief Data-parallel training: kfac's factors are averaged over `comm` (KAISA). The user
+  /// still averages the gradients over the ranks before precondition().
+  TorchOptions& with_mpi(MpiComm comm) { mpi = std::move(comm); return *this; }
+#endif
 };
 
 class TorchPreconditioner;
@@ -166,15 +176,17 @@ class TorchBackend {
   virtual long step_count() const = 0;
   virtual double last_kl_scale() const = 0;
   virtual const Options& options() const = 0;
+  /// The maximum of `v` over the ranks (v itself in a serial run).
+  virtual long agree_max(long v) const = 0;
 };
 
 using TorchExec = Kokkos::DefaultHostExecutionSpace;
 
-template <class Scalar>
+template <class Scalar, class Comm>
 class TorchBackendOf final : public TorchBackend {
  public:
-  using preconditioner_type = Preconditioner<Scalar, TorchExec>;
-  explicit TorchBackendOf(Options o) : pre_(std::move(o)) {}
+  using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
+  TorchBackendOf(Options o, Comm comm) : pre_(std::move(o), TorchExec{}, std::move(comm)) {}
 
   void add(const std::string& name, const Dense& l) override { pre_.register_layer(name, l); }
   void add(const std::string& name, const Conv2d& l) override { pre_.register_layer(name, l); }
@@ -202,6 +214,7 @@ class TorchBackendOf final : public TorchBackend {
   long step_count() const override { return pre_.step_count(); }
   double last_kl_scale() const override { return pre_.last_kl_scale(); }
   const Options& options() const override { return pre_.options(); }
+  long agree_max(long v) const override { return pre_.communicator().allreduce_max(v); }
 
   preconditioner_type& preconditioner() { return pre_; }
 
@@ -222,6 +235,8 @@ template <class ModuleRef>
 at::Tensor observed(ModuleRef& module, const at::Tensor& x);
 
 /// \brief K-FAC for the Linear, Conv2d and BatchNorm2d modules of a LibTorch model (CPU).
+/// Under MPI (TorchOptions::with_mpi) every rank builds one from the same model and calls
+/// precondition() at every step; a check that fails on one rank fails on all.
 /// See the file description for the protocol; docs/torch.md for the whole page.
 class TorchPreconditioner {
  public:
@@ -256,9 +271,10 @@ class TorchPreconditioner {
   long step_count() const { return backend_->step_count(); }
   double last_kl_scale() const { return backend_->last_kl_scale(); }
   /// \brief The Preconditioner underneath, for checkpoints (save/load), memory reports and
-  /// inspection. \throws kfac::Error when Scalar is not the parameters' dtype.
-  template <class Scalar>
-  Preconditioner<Scalar, impl::TorchExec>& preconditioner();
+  /// inspection. \throws kfac::Error when Scalar is not the parameters' dtype or Comm not the
+  /// communicator in use (SerialComm, or MpiComm under TorchOptions::with_mpi).
+  template <class Scalar, class Comm = SerialComm>
+  Preconditioner<Scalar, impl::TorchExec, Comm>& preconditioner();
 
  private:
   struct Entry {

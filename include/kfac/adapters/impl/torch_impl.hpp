@@ -208,8 +208,14 @@ inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, 
   if (found.empty()) throw Error("", "the model has no torch::nn::Linear, Conv2d or BatchNorm2d module to precondition");
 
   // Pass 2: the runtime choice of Scalar, then registration.
-  if (dtype_ == at::kDouble) backend_ = std::make_unique<impl::TorchBackendOf<double>>(std::move(options));
-  else backend_ = std::make_unique<impl::TorchBackendOf<float>>(std::move(options));
+#if KFAC_HAVE_MPI
+  if (torch_options_.mpi) {
+    if (dtype_ == at::kDouble) backend_ = std::make_unique<impl::TorchBackendOf<double, MpiComm>>(std::move(options), *torch_options_.mpi);
+    else backend_ = std::make_unique<impl::TorchBackendOf<float, MpiComm>>(std::move(options), *torch_options_.mpi);
+  }
+#endif
+  if (!backend_ && dtype_ == at::kDouble) backend_ = std::make_unique<impl::TorchBackendOf<double, SerialComm>>(std::move(options), SerialComm{});
+  else if (!backend_) backend_ = std::make_unique<impl::TorchBackendOf<float, SerialComm>>(std::move(options), SerialComm{});
   for (auto& f : found) {
     if (f.dense) backend_->add(f.name, *f.dense);
     else if (f.conv) backend_->add(f.name, *f.conv);
@@ -285,9 +291,10 @@ inline void TorchPreconditioner::precondition() {
     TorchPreconditioner& self;
     ~Dropper() { self.refresh_wanted(); }
   } dropper{*this};
-  impl::throw_module_problems(check_observed(), "modules not ready at step " + std::to_string(step_count()));
   // Everything that can fail is checked before kfac sees anything, so that a bad value leaves
-  // no observation pending in kfac.
+  // no observation pending in kfac; and agreed on over the ranks, so that no rank waits in a
+  // collective for one that threw.
+  std::vector<impl::ModuleProblem> problems = check_observed();
   auto as_kfac = [&](at::Tensor t) { return (t.scalar_type() == dtype_ ? t : t.to(dtype_)).contiguous(); };
   const bool check_finite = backend_->options().nonfinite == NonFinitePolicy::raise;
   struct Observation {
@@ -297,16 +304,20 @@ inline void TorchPreconditioner::precondition() {
   std::vector<Observation> observations;
   for (const auto& e : entries_) {
     const auto& c = *e.capture;
-    if (!c.wanted) continue;
+    if (!c.wanted || !problems.empty()) continue;
     for (std::size_t k = 0; k < c.inputs.size(); ++k) {
       Observation o{&c.name, as_kfac(c.inputs[k]), as_kfac(impl::torch_output_grad(c, c.grads[k], c.tokens_per_row[k]))};
       if (check_finite && !torch::isfinite(o.x).all().item<bool>())
-        throw Error(c.name, "non-finite values (NaN/Inf) in its input; nothing was preconditioned");
-      if (check_finite && !torch::isfinite(o.g).all().item<bool>())
-        throw Error(c.name, "non-finite values (NaN/Inf) in its output gradient; nothing was preconditioned");
+        problems.push_back({c.name, "non-finite values (NaN/Inf) in its input; nothing was preconditioned"});
+      else if (check_finite && !torch::isfinite(o.g).all().item<bool>())
+        problems.push_back({c.name, "non-finite values (NaN/Inf) in its output gradient; nothing was preconditioned"});
       observations.push_back(std::move(o));
     }
   }
+  const long anywhere = backend_->agree_max(problems.empty() ? 0 : 1);
+  impl::throw_module_problems(problems, "modules not ready at step " + std::to_string(step_count()));
+  if (anywhere) throw Error("", "another rank's LibTorch modules were not ready at step " + std::to_string(step_count()) +
+                                    " (its error names them); nothing was preconditioned");
   for (const auto& o : observations) backend_->observe(*o.name, o.x, o.g);
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (the .grad(), kfac's contiguous copy)
   for (const auto& e : entries_) {
@@ -326,10 +337,16 @@ inline void TorchPreconditioner::precondition() {
   for (auto& [grad, copy] : copy_back) grad.copy_(copy);
 }
 
-template <class Scalar>
-Preconditioner<Scalar, impl::TorchExec>& TorchPreconditioner::preconditioner() {
-  auto* b = dynamic_cast<impl::TorchBackendOf<Scalar>*>(backend_.get());
-  if (!b) throw Error("", std::string("preconditioner<Scalar>(): the model's parameters are ") + c10::toString(dtype_));
+template <class Scalar, class Comm>
+Preconditioner<Scalar, impl::TorchExec, Comm>& TorchPreconditioner::preconditioner() {
+  auto* b = dynamic_cast<impl::TorchBackendOf<Scalar, Comm>*>(backend_.get());
+  bool mpi = false;
+#if KFAC_HAVE_MPI
+  mpi = bool(torch_options_.mpi);
+#endif
+  if (!b)
+    throw Error("", std::string("preconditioner<Scalar, Comm>(): the adapter holds a Preconditioner<") +
+                        (dtype_ == at::kDouble ? "double" : "float") + ", ..., " + (mpi ? "MpiComm" : "SerialComm") + ">");
   return b->preconditioner();
 }
 
