@@ -14,6 +14,9 @@
 # that outlive MPI_Finalize are suppressed by library name in fuzz/lsan.supp, which needs full
 # allocation stacks (fast_unwind_on_malloc=0: Debian's libraries have no frame pointers).
 #
+# Not built here: the LibTorch adapter's tests (KFAC_ENABLE_TORCH=OFF): Debian's LibTorch is not
+# built with the sanitizers and the adapter's tests have not been verified under them yet; the
+# Serial suite (scripts/test.sh) runs them.
 # Not run here: install_consumer (it installs and rebuilds an outside project without
 # sanitizers, which tests packaging, not memory safety; scripts/test.sh runs it).
 set -euo pipefail
@@ -28,7 +31,7 @@ start=$(date +%s)
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_CXX_FLAGS="-Wno-maybe-uninitialized" \
   -DKFAC_ENABLE_SANITIZERS=ON -DKFAC_ENABLE_TESTS=ON \
-  -DKFAC_ENABLE_EXAMPLES=OFF -DKFAC_ENABLE_BENCHMARKS=OFF "$@"
+  -DKFAC_ENABLE_EXAMPLES=OFF -DKFAC_ENABLE_BENCHMARKS=OFF -DKFAC_ENABLE_TORCH=OFF "$@"
 cmake --build "$build" -j "${KFAC_BUILD_JOBS:-$(nproc)}"
 built=$(date +%s)
 
