@@ -56,6 +56,18 @@ struct KfacSettings {
 
 #if KFAC_EXAMPLES_HAVE_KFAC
 
+/// \brief kfac::Options of `s`, for the mean-reduced loss of the examples' cross-entropy.
+inline kfac::Options kfac_options(const KfacSettings& s) {
+  return kfac::Options{}
+      .with_lr(s.lr)
+      .with_damping(s.damping)
+      .with_kl_clip(s.kl_clip)
+      .with_factor_decay(s.factor_decay)
+      .with_factor_update_steps(s.factor_update_steps)
+      .with_inv_update_steps(s.inv_update_steps)
+      .with_loss_reduction(kfac::LossReduction::mean);
+}
+
 class KfacSgd {
  public:
   /// \param world [in] one process, or the ranks whose factors are averaged (MPI)
@@ -63,14 +75,7 @@ class KfacSgd {
       : sgd_(net.params(), SgdOptions{}.with_lr(s.lr).with_momentum(s.momentum).with_weight_decay(s.weight_decay)) {
     if (s.inverse != "eigen" && s.inverse != "cholesky")
       throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen or cholesky)");
-    const kfac::Options options = kfac::Options{}
-                                      .with_lr(s.lr)
-                                      .with_damping(s.damping)
-                                      .with_kl_clip(s.kl_clip)
-                                      .with_factor_decay(s.factor_decay)
-                                      .with_factor_update_steps(s.factor_update_steps)
-                                      .with_inv_update_steps(s.inv_update_steps)
-                                      .with_loss_reduction(kfac::LossReduction::mean);
+    const kfac::Options options = kfac_options(s);
 #if KFAC_EXAMPLES_HAVE_MPI
     if (world.size() > 1)
       mpi_ = std::make_unique<MpiPreconditioner>(options, ExecSpace(), kfac::MpiComm(world.comm()));

@@ -7,8 +7,13 @@
 /// activations live in a slot of their own from its forward to its backward; the backward
 /// goes through the current weights. Host execution spaces only (the pipeline's tensors are
 /// host views).
+///
+/// Optionally the stage preconditions its own layers with K-FAC (enable_kfac): a
+/// kfac::Preconditioner over this stage's Dense layers only, on this rank alone (SerialComm),
+/// fed in backward and stepped in apply_update before the SGD step.
 
 #include "common/init.hpp"
+#include "common/kfac_glue.hpp"
 #include "common/sgd.hpp"
 #include "common/tensor.hpp"
 
@@ -78,6 +83,19 @@ class MlpStage {
     sgd_ = std::make_unique<Sgd>(params, sgd);
   }
 
+#if KFAC_EXAMPLES_HAVE_KFAC
+  /// \brief Preconditions this stage's layers with K-FAC from now on (settings as nn::KfacSgd's;
+  /// lr and momentum stay the SGD's given at construction).
+  void enable_kfac(const KfacSettings& s) {
+    pre_ = std::make_unique<Preconditioner>(kfac_options(s));
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      const kfac::Dense d(layers_[i].in, layers_[i].out, true);
+      if (s.inverse == "cholesky") pre_->register_layer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>>(name(i), d);
+      else pre_->register_layer(name(i), d);
+    }
+  }
+#endif
+
   int input_features() const { return layers_.front().in; }
   int output_features() const { return layers_.back().out; }
   /// Seconds spent in each layer's forward + backward so far (for the pipeline cost model).
@@ -104,6 +122,15 @@ class MlpStage {
       }
       KokkosBlas::gemm("T", "N", 1.0f, g, h, 0.0f, l.dw);
       detail::column_sums(g, l.db);
+#if KFAC_EXAMPLES_HAVE_KFAC
+      if (pre_) {
+        if (pre_->wants_observations(name(i))) {
+          pre_->observe_input(name(i), h);
+          pre_->observe_output_grad(name(i), g);
+        }
+        pre_->set_gradient(name(i), l.dw, l.db);
+      }
+#endif
       if (i > 0 || need_input_grad) {
         const Matrix dx = s.scratch[i % 2].matrix(n, l.in);
         KokkosBlas::gemm("N", "N", 1.0f, g, l.w, 0.0f, dx);
@@ -116,7 +143,12 @@ class MlpStage {
     return need_input_grad ? g : Matrix();
   }
 
-  void apply_update(long) { sgd_->step(); }
+  void apply_update(long) {
+#if KFAC_EXAMPLES_HAVE_KFAC
+    if (pre_) pre_->step();  // preconditions dW and db in place
+#endif
+    sgd_->step();
+  }
 
   /// Parameters of every layer, in order (W then b), on the host.
   std::vector<float> parameters() const {
@@ -143,6 +175,7 @@ class MlpStage {
   };
 
   bool relu(std::size_t i) const { return first_ + int(i) != classes_layer_; }
+  std::string name(std::size_t i) const { return "fc" + std::to_string(first_ + int(i) + 1); }
 
   Matrix run_forward(Slot& s, const Matrix& x) {
     const int n = int(x.extent(0));
@@ -180,6 +213,10 @@ class MlpStage {
   int first_, last_, classes_layer_;
   std::vector<Layer> layers_;
   std::unique_ptr<Sgd> sgd_;
+#if KFAC_EXAMPLES_HAVE_KFAC
+  using Preconditioner = kfac::Preconditioner<float, ExecSpace, kfac::SerialComm>;
+  std::unique_ptr<Preconditioner> pre_;
+#endif
   std::vector<std::unique_ptr<Slot>> slots_;  ///< stable addresses: a slot's views outlive others' growth
   Slot eval_;
   std::vector<double> layer_seconds_ = std::vector<double>(std::size_t(last_ - first_), 0.0);

@@ -42,7 +42,7 @@ struct Args {
   std::vector<double> betas = {1.0, 0.5};
   std::vector<std::uint64_t> seeds = {1, 2, 3};
   int epochs = 3, batch = 128, train_subset = 0, test_subset = 0;
-  double lr = 0.05, momentum = 0.9, target = 0.85;
+  double lr = 0.05, momentum = 0.9, target = 0.85, kfac_lr = 0.1;
   double require_acc = 0;  ///< exit 1 when a run ends below this test accuracy (the ctest run)
 };
 
@@ -78,13 +78,15 @@ Args parse(int argc, char** argv) {
     else if (k == "--train-subset") a.train_subset = std::stoi(v);
     else if (k == "--test-subset") a.test_subset = std::stoi(v);
     else if (k == "--lr") a.lr = std::stod(v);
+    else if (k == "--kfac-lr") a.kfac_lr = std::stod(v);
     else if (k == "--momentum") a.momentum = std::stod(v);
     else if (k == "--target") a.target = std::stod(v);
     else if (k == "--require-acc") a.require_acc = std::stod(v);
     else throw std::invalid_argument("unknown flag " + k);
   }
   for (const auto& m : a.modes)
-    if (m != "bp" && m != "sync" && m != "fdg") throw std::invalid_argument("--modes: bp, sync or fdg, not " + m);
+    if (m != "bp" && m != "sync" && m != "fdg" && m != "kfac" && m != "fdg-kfac")
+      throw std::invalid_argument("--modes: bp, sync, fdg, kfac or fdg-kfac, not " + m);
   return a;
 }
 
@@ -176,7 +178,18 @@ Run train_one(const Args& args, const std::string& mode, int stages, double beta
   for (int i = 0; i + 1 < int(w.size()); ++i) cost.push_back(layer_cost(w, i));
   const std::vector<int> cuts = balanced_cuts(cost, stages);
   const int k = rank < stages ? rank : 0;
-  nn::MlpStage stage(w, cuts[k], cuts[k + 1], seed, nn::SgdOptions{}.with_lr(args.lr).with_momentum(args.momentum));
+  const bool kfac = mode == "kfac" || mode == "fdg-kfac";
+  const double lr = kfac ? args.kfac_lr : args.lr;
+  nn::MlpStage stage(w, cuts[k], cuts[k + 1], seed, nn::SgdOptions{}.with_lr(lr).with_momentum(args.momentum));
+  if (kfac) {  // the MLP's K-FAC settings of the main demo (nn::default_kfac("mlp")), per stage
+    nn::KfacSettings s;
+    s.lr = lr;
+    s.momentum = args.momentum;
+    s.inverse = "cholesky";
+    s.damping = 0.3;
+    s.kl_clip = 1e-2;
+    stage.enable_kfac(s);
+  }
   const auto schedule = mode == "sync" ? kfac::PipelineSchedule::synchronous : kfac::PipelineSchedule::fdg;
   kfac::Pipeline<nn::MlpStage> pipe(kfac::MpiComm(MPI_COMM_WORLD), stage,
                                     kfac::PipelineOptions{}.with_stages(stages).with_batch_size(args.batch)
@@ -196,9 +209,14 @@ Run train_one(const Args& args, const std::string& mode, int stages, double beta
   run.stages = stages;
   run.beta = beta;
   char name[64];
-  std::snprintf(name, sizeof name, mode == "fdg" ? "fdg%d_b%g" : mode == "sync" ? "sync%d" : "bp", stages, beta);
+  if (mode == "fdg" || mode == "fdg-kfac")
+    std::snprintf(name, sizeof name, mode == "fdg" ? "fdg%d_b%g" : "fdg%d-kfac_b%g", stages, beta);
+  else if (mode == "sync")
+    std::snprintf(name, sizeof name, "sync%d", stages);
+  else
+    std::snprintf(name, sizeof name, "%s", mode.c_str());
   run.summary.optimizer = name;
-  run.summary.lr = args.lr;
+  run.summary.lr = lr;
   run.summary.seed = seed;
   const int steps = batcher.steps_per_epoch();
   run.summary.steps_per_epoch = steps;
@@ -263,8 +281,9 @@ int run_all(const Args& args) {
   std::vector<Run> runs;
   for (std::uint64_t seed : args.seeds)
     for (const std::string& mode : args.modes)
-      for (double beta : mode == "fdg" ? args.betas : std::vector<double>{1.0})
-        runs.push_back(train_one(args, mode, mode == "bp" ? 1 : size, beta, seed, train, test, log.get(), progress));
+      for (double beta : mode.rfind("fdg", 0) == 0 ? args.betas : std::vector<double>{1.0})
+        runs.push_back(train_one(args, mode, mode == "bp" || mode == "kfac" ? 1 : size, beta, seed, train, test,
+                                 log.get(), progress));
   if (!lead) return 0;
 
   // Means over seeds per configuration.
@@ -296,6 +315,11 @@ int run_all(const Args& args) {
   std::printf("\nratios from this run (means over seeds; the machine's load: see uptime):\n");
   for (const Row& r : rows) {
     if (r.name.rfind("fdg", 0) != 0) continue;
+    if (r.name.find("kfac") != std::string::npos) {
+      std::printf("  %s: samples/s %.2fx kfac (1 rank); final accuracy %+.2f points vs kfac\n", r.name.c_str(),
+                  mean_of(r.name, 0) / mean_of("kfac", 0), 100 * (mean_of(r.name, 1) - mean_of("kfac", 1)));
+      continue;
+    }
     std::printf("  %s: samples/s %.2fx %s, %.2fx bp (1 rank); final accuracy %+.2f points vs bp\n", r.name.c_str(),
                 mean_of(r.name, 0) / mean_of(sync, 0), sync.c_str(), mean_of(r.name, 0) / mean_of("bp", 0),
                 100 * (mean_of(r.name, 1) - mean_of("bp", 1)));
