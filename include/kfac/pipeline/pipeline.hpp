@@ -26,6 +26,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
