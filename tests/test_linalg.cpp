@@ -4,6 +4,7 @@
 // LAPACK against portable; shape checks at every entry, leaving the outputs unchanged; the
 // workspace kept between calls.
 #include <Eigen/Dense>
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <kfac/impl/blas.hpp>
@@ -147,6 +148,18 @@ TEMPLATE_TEST_CASE("portable spd_inverse: team-parallel Cholesky equals the form
       CHECK(same_bits(on_default, previous));
     else
       CHECK(rel_err_to(on_default, dense_inv) < (sizeof(T) == 8 ? 1e-12 : 1e-4));
+
+    // The factor alone at several team sizes: the same bits as at one thread (each entry is
+    // summed by one thread in a fixed order, whatever the team size, on every backend).
+    Matrix<T, Exec> l1("l1", n, n), lt("lt", n, n);
+    Kokkos::deep_copy(invd, fd);
+    REQUIRE(kfac::impl::cholesky_lower(Exec{}, invd, l1, 1) == 0);
+    const int most = std::min(int(Exec().concurrency()), 4);
+    for (int team = 2; team <= most; ++team) {
+      INFO("team size " << team);
+      REQUIRE(kfac::impl::cholesky_lower(Exec{}, invd, lt, team) == 0);
+      CHECK(same_bits(host_values(lt), host_values(l1)));
+    }
 
     // AutoBackend (LAPACK on the host, cuSOLVER on CUDA) agrees with the portable inverse.
     Matrix<T, Exec> inva("inva", n, n);

@@ -293,41 +293,47 @@ void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T
 /// `l` (its upper triangle is left as copied). One team: each column's pivot is summed by one
 /// thread (in the order of the former one-thread kernel), the entries below it by the team's
 /// threads, each entry's sum in the same order, so the factor's bits do not depend on the team
-/// size. Returns 0, or the 1-based column where a pivot was not positive. Portable: the
-/// reference the vendor paths are tested against.
+/// size. `team_size` 0: the largest the backend allows for this kernel, at most n (Kokkos'
+/// AUTO would give one thread per core's hardware threads on OpenMP, i.e. often 1). Returns 0,
+/// or the 1-based column where a pivot was not positive. Portable: the reference the vendor
+/// paths are tested against.
 template <class Exec, class T>
-int cholesky_lower(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exec>& l) {
+int cholesky_lower(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exec>& l, int team_size = 0) {
   const int n = int(a.extent(0));
   Kokkos::deep_copy(exec, l, a);
   Kokkos::View<int, typename Exec::memory_space> bad("kfac::cholesky::bad");
   using Policy = Kokkos::TeamPolicy<Exec>;
   using Member = typename Policy::member_type;
-  Kokkos::parallel_for(
-      "kfac::linalg::cholesky", Policy(exec, 1, Kokkos::AUTO), KOKKOS_LAMBDA(const Member& team) {
-        for (int j = 0; j < n; ++j) {
-          T d = T(0);
-          Kokkos::single(
-              Kokkos::PerTeam(team),
-              [&](T& dj) {
-                dj = l(j, j);
-                for (int k = 0; k < j; ++k) dj -= l(j, k) * l(j, k);
-                if (dj > T(0)) {
-                  dj = sqrt_(dj);
-                  l(j, j) = dj;
-                } else {
-                  bad() = j + 1;
-                }
-              },
-              d);
-          if (!(d > T(0))) return;  // every thread sees the same broadcast pivot
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, j + 1, n), [&](int i) {
-            T s = l(i, j);
-            for (int k = 0; k < j; ++k) s -= l(i, k) * l(j, k);
-            l(i, j) = s / d;
-          });
-          team.team_barrier();
-        }
+  const auto body = KOKKOS_LAMBDA(const Member& team) {
+    for (int j = 0; j < n; ++j) {
+      T d = T(0);
+      Kokkos::single(
+          Kokkos::PerTeam(team),
+          [&](T& dj) {
+            dj = l(j, j);
+            for (int k = 0; k < j; ++k) dj -= l(j, k) * l(j, k);
+            if (dj > T(0)) {
+              dj = sqrt_(dj);
+              l(j, j) = dj;
+            } else {
+              bad() = j + 1;
+            }
+          },
+          d);
+      if (!(d > T(0))) return;  // every thread sees the same broadcast pivot
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, j + 1, n), [&](int i) {
+        T s = l(i, j);
+        for (int k = 0; k < j; ++k) s -= l(i, k) * l(j, k);
+        l(i, j) = s / d;
       });
+      team.team_barrier();
+    }
+  };
+  if (team_size <= 0) {
+    const int most = Policy(exec, 1, 1).team_size_max(body, Kokkos::ParallelForTag());
+    team_size = most < n ? most : n;
+  }
+  Kokkos::parallel_for("kfac::linalg::cholesky", Policy(exec, 1, team_size > 0 ? team_size : 1), body);
   auto hbad = Kokkos::create_mirror_view(bad);
   Kokkos::deep_copy(hbad, bad);
   return hbad();
