@@ -221,6 +221,62 @@ double sum_of_squares(const Exec& exec, const M& m) {
   return s;
 }
 
+/// \brief x = [w b]^T (and the same into `copy` when given): the caller's row-major (g x c)
+/// weight gradient and bias, as the column-major (c + 1 or c) x g matrix a block preconditions.
+/// Column i of x is row i of w followed by b(i), so on the host each row is one contiguous,
+/// vectorisable copy; device backends use a two-index range whose fastest index is contiguous
+/// on both sides.
+template <class Exec, class W, class B, class X>
+void load_transposed(const Exec& exec, const W& w, const B& b, const X& x, const X& copy = X()) {
+  using T = typename X::non_const_value_type;
+  const int rows = int(w.extent(0)), cols = int(w.extent(1)), total = int(x.extent(0));
+  const bool both = copy.extent(0) == x.extent(0) && copy.extent(1) == x.extent(1) && copy.data() != nullptr;
+  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible) {
+    Kokkos::parallel_for(
+        "kfac::gradient::load", Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
+          T* xi = &x(0, i);
+          const auto* wi = &w(i, 0);
+          for (int j = 0; j < cols; ++j) xi[j] = T(wi[j]);
+          if (total > cols) xi[cols] = T(b(i));
+          if (both) {
+            T* ci = &copy(0, i);
+            for (int j = 0; j < total; ++j) ci[j] = xi[j];
+          }
+        });
+  } else {
+    Kokkos::parallel_for(
+        "kfac::gradient::load", ColumnMajorRange<Exec>(exec, {0, 0}, {total, rows}), KOKKOS_LAMBDA(int j, int i) {
+          const T v = T(j < cols ? w(i, j) : b(i));
+          x(j, i) = v;
+          if (both) copy(j, i) = v;
+        });
+  }
+}
+
+/// \brief The inverse of load_transposed, scaled: w(i, j) = scale x(j, i), b(i) = scale x(c, i).
+template <class Exec, class X, class W, class B>
+void store_transposed(const Exec& exec, const X& x, double scale, const W& w, const B& b) {
+  using T = typename W::non_const_value_type;
+  using D = typename X::non_const_value_type;
+  const int rows = int(w.extent(0)), cols = int(w.extent(1)), total = int(x.extent(0));
+  const D s = D(scale);
+  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible) {
+    Kokkos::parallel_for(
+        "kfac::gradient::store", Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
+          const D* xi = &x(0, i);
+          T* wi = &w(i, 0);
+          for (int j = 0; j < cols; ++j) wi[j] = T(s * xi[j]);
+          if (total > cols) b(i) = T(s * xi[cols]);
+        });
+  } else {
+    Kokkos::parallel_for(
+        "kfac::gradient::store", ColumnMajorRange<Exec>(exec, {0, 0}, {total, rows}), KOKKOS_LAMBDA(int j, int i) {
+          const T v = T(s * x(j, i));
+          if (j < cols) w(i, j) = v; else b(i) = v;
+        });
+  }
+}
+
 /// Counts the non-finite entries of any view, on its execution space.
 template <class Exec, class V>
 long count_nonfinite(const Exec& exec, const V& v) {

@@ -258,12 +258,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
 
   void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
     ensure_workspace();
-    auto x = x_;
-    const int cols = int(w.extent(1));
-    Kokkos::parallel_for(
-        "kfac::layer::load_gradient",
-        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
-        KOKKOS_LAMBDA(int j, int i) { x(j, i) = D(j < cols ? w(i, j) : b(i)); });
+    impl::load_transposed(exec, w, b, x_);
   }
   void apply(const Exec& exec, double damping) override {
     if constexpr (diagonal) {
@@ -299,16 +294,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
 
   void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
                   double nu) override {
-    auto out = out_;
-    const int rows = ng_, cols = int(w.extent(1)), total = na_;
-    const D scale = D(nu);
-    Kokkos::parallel_for(
-        "kfac::layer::store_gradient",
-        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {total, rows}),
-        KOKKOS_LAMBDA(int j, int i) {
-          const Scalar v = Scalar(scale * out(j, i));
-          if (j < cols) w(i, j) = v; else b(i) = v;
-        });
+    impl::store_transposed(exec, out_, nu, w, b);
   }
 
   /// Bytes this process holds, with a = a_dim, g = g_dim: factor_bytes (a^2 + g^2)

@@ -174,35 +174,46 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
     has_state_ = frozen_ = false;
   }
 
+  /// X^T into x_ and into out_, where apply() updates it in place.
   void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
     ensure_workspace();
-    auto x = x_;
-    const int cols = int(w.extent(1));
-    Kokkos::parallel_for(
-        "kfac::ngsgd::load_gradient", impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
-        KOKKOS_LAMBDA(int j, int i) { x(j, i) = j < cols ? w(i, j) : b(i); });
+    impl::load_transposed(exec, w, b, x_, out_);
   }
-  /// V = gamma F_out^-1 X F_in^-1 on the transposed buffers (x_ = X^T); `damping` is not used
-  /// (alpha's smoothing plays its part).
+  /// V = gamma F_out^-1 X F_in^-1 on the transposed buffers (x_ = X^T = V_0, out_ = V_0 on
+  /// entry, from load_gradient); `damping` is not used (alpha's smoothing plays its part).
+  ///
+  /// With F^-1 = beta^-1 (I - R^T E R) per side (the betas cancel in gamma), and P = R_in V_0,
+  /// Q = V_0 R_out^T:
+  /// \f[ (I - A_{in}) V_0 (I - A_{out}) = V_0 - [R_{in}^T \mid Q E_{out} - R_{in}^T E_{in} P R_{out}^T
+  ///      E_{out}] \begin{bmatrix} E_{in} P \\ R_{out} \end{bmatrix}, \f]
+  /// so both sides cost two projections of V_0 and one rank-(r_in + r_out) update, instead of a
+  /// rank-r_in and a rank-r_out update that each read and write all of V.
   void apply(const Exec& exec, double) override {
-    Kokkos::deep_copy(exec, out_, x_);
     if (!has_state_ || (s_.rank_in == 0 && s_.rank_out == 0)) return;  // the identity, exactly
     const Fisher& fin = frozen_ ? prev_in_ : est_in_;
     const Fisher& fout = frozen_ ? prev_out_ : est_out_;
     const double alpha = s_.recurrence.alpha;
-    if (s_.rank_in > 0) {  // X F_in^-1, i.e. V^T <- V^T - R^T diag(e) (R V^T)
+    const index_t ri = index_t(s_.rank_in), ro = index_t(s_.rank_out);
+    const auto all = Kokkos::ALL;
+    const auto q = Kokkos::subview(left_, all, Kokkos::make_pair(ri, ri + ro));
+    if (ri > 0) {
       impl::ngsgd::woodbury_weights(exec, fin.values(), alpha, na_, e_in_);
-      impl::gemm(exec, "N", "N", Scalar(1), fin.basis(), out_, Scalar(0), p_in_);
-      impl::ngsgd::scale_by(exec, p_in_, e_in_, true);
-      impl::gemm(exec, "T", "N", Scalar(-1), fin.basis(), p_in_, Scalar(1), out_);
+      impl::gemm(exec, "N", "N", Scalar(1), fin.basis(), x_, Scalar(0), p_in_);  // P
     }
-    if (s_.rank_out > 0) {  // F_out^-1 X, i.e. V^T <- V^T - (V^T R^T) diag(e) R
+    if (ro > 0) {
       impl::ngsgd::woodbury_weights(exec, fout.values(), alpha, ng_, e_out_);
-      impl::gemm(exec, "N", "T", Scalar(1), out_, fout.basis(), Scalar(0), p_out_);
-      impl::ngsgd::scale_by(exec, p_out_, e_out_, false);
-      impl::gemm(exec, "N", "N", Scalar(-1), p_out_, fout.basis(), Scalar(1), out_);
+      impl::gemm(exec, "N", "T", Scalar(1), x_, fout.basis(), Scalar(0), q);  // Q
+      impl::ngsgd::scale_by(exec, q, e_out_, false);                            // Q E_out
     }
-    const double before = impl::sum_of_squares(exec, x_), after = impl::sum_of_squares(exec, out_);
+    if (ri > 0 && ro > 0) {  // Q E_out - R_in^T (E_in P R_out^T E_out)
+      impl::gemm(exec, "N", "T", Scalar(1), p_in_, fout.basis(), Scalar(0), w_);
+      impl::ngsgd::scale_by(exec, w_, e_in_, true);
+      impl::ngsgd::scale_by(exec, w_, e_out_, false);
+      impl::gemm(exec, "T", "N", Scalar(-1), fin.basis(), w_, Scalar(1), q);
+    }
+    impl::ngsgd::stack_factors(exec, fin.basis(), p_in_, e_in_, fout.basis(), left_, right_);
+    impl::gemm(exec, "N", "N", Scalar(-1), left_, right_, Scalar(1), out_);
+    const double before = impl::ngsgd::squared_norm(exec, x_), after = impl::ngsgd::squared_norm(exec, out_);
     last_gamma_ = after > 0 ? std::sqrt(before / after) : 1.0;
     auto v = out_;
     const Scalar g = Scalar(last_gamma_);
@@ -224,27 +235,21 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
     return impl::buffer_of(out_);
   }
   void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b, double nu) override {
-    auto out = out_;
-    const int cols = int(w.extent(1));
-    const Scalar scale = Scalar(nu);
-    Kokkos::parallel_for(
-        "kfac::ngsgd::store_gradient", impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
-        KOKKOS_LAMBDA(int j, int i) {
-          const Scalar v = scale * out(j, i);
-          if (j < cols) w(i, j) = v; else b(i) = v;
-        });
+    impl::store_transposed(exec, out_, nu, w, b);
     frozen_ = false;  // the step is over: the next one preconditions with the newest estimates
   }
 
   /// factor_bytes: the two estimates (R in Scalar, d and rho in double); decomposition_bytes:
   /// their copies from before the last update (used on update steps); workspace_bytes: X^T and
-  /// V^T (2 a g), the Woodbury products (r_in g + a r_out + r_in + r_out), in Scalar, and the
-  /// pending observation rows.
+  /// V^T (2 a g), the Woodbury products (P: r_in g, W: r_in r_out, the stacked factors
+  /// (a + g)(r_in + r_out), the weights r_in + r_out), in Scalar, and the pending observation
+  /// rows.
   MemoryReport memory() const override {
     MemoryReport m{this->name(), kind(), 0, 0, 0};
     m.factor_bytes = est_in_.bytes() + est_out_.bytes();
     m.decomposition_bytes = prev_in_.bytes() + prev_out_.bytes();
-    m.workspace_bytes = (x_.span() + out_.span() + p_in_.span() + p_out_.span() + e_in_.span() + e_out_.span()) * sizeof(Scalar);
+    m.workspace_bytes = (x_.span() + out_.span() + p_in_.span() + w_.span() + left_.span() + right_.span() +
+                         e_in_.span() + e_out_.span()) * sizeof(Scalar);
     for (const auto* p : {&obs_in_, &obs_out_})
       for (const auto& r : p->rows) m.workspace_bytes += r.span() * sizeof(Scalar);
     return m;
@@ -254,7 +259,7 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
     if (skipped) return m;
     const std::size_t a = std::size_t(na_), g = std::size_t(ng_), ri = std::size_t(s_.rank_in), ro = std::size_t(s_.rank_out);
     m.factor_bytes = m.decomposition_bytes = est_in_.planned_bytes() + est_out_.planned_bytes();
-    m.workspace_bytes = (2 * a * g + ri * g + a * ro + ri + ro) * sizeof(Scalar);
+    m.workspace_bytes = (2 * a * g + ri * g + ri * ro + (a + g) * (ri + ro) + ri + ro) * sizeof(Scalar);
     return m;
   }
 
@@ -274,7 +279,7 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
     void add(const Exec& exec, const RMatrix& r, double n, long batch) {
       rows.push_back(r);
       norm += n;
-      squares += impl::sum_of_squares(exec, r);
+      squares += impl::ngsgd::squared_norm(exec, r);
       samples += double(batch);
     }
   };
@@ -293,7 +298,9 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
     x_ = SMatrix("kfac::ngsgd::x", na_, ng_);
     out_ = SMatrix("kfac::ngsgd::out", na_, ng_);
     p_in_ = SMatrix("kfac::ngsgd::p_in", s_.rank_in, ng_);
-    p_out_ = SMatrix("kfac::ngsgd::p_out", na_, s_.rank_out);
+    w_ = SMatrix("kfac::ngsgd::w", s_.rank_in, s_.rank_out);
+    left_ = SMatrix("kfac::ngsgd::left", na_, s_.rank_in + s_.rank_out);
+    right_ = SMatrix("kfac::ngsgd::right", s_.rank_in + s_.rank_out, ng_);
     e_in_ = SVector("kfac::ngsgd::e_in", s_.rank_in);
     e_out_ = SVector("kfac::ngsgd::e_out", s_.rank_out);
   }
@@ -308,7 +315,7 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   bool has_state_ = false, frozen_ = false;
   long updates_ = 0;
   double last_gamma_ = 1.0;
-  SMatrix x_, out_, p_in_, p_out_;
+  SMatrix x_, out_, p_in_, w_, left_, right_;
   SVector e_in_, e_out_;
 };
 

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kfac/core/block.hpp"
@@ -84,11 +85,44 @@ void woodbury_weights(const Exec& exec, const Vector<double, Exec>& dr, double a
 }
 
 /// Scales row i (rows = true) or column i of m by e(i).
-template <class Exec, class T>
-void scale_by(const Exec& exec, const Matrix<T, Exec>& m, const Vector<T, Exec>& e, bool rows) {
+template <class Exec, class M, class T>
+void scale_by(const Exec& exec, const M& m, const Vector<T, Exec>& e, bool rows) {
   Kokkos::parallel_for(
       "kfac::ngsgd::scale", ColumnMajorRange<Exec>(exec, {0, 0}, {int(m.extent(0)), int(m.extent(1))}),
       KOKKOS_LAMBDA(int i, int j) { m(i, j) *= e(rows ? i : j); });
+}
+
+/// \f$\|m\|_F^2\f$ of a contiguous view (any layout), accumulated in double: host BLAS (dsdot / ddot)
+/// where there is one (this is on every step's path: the portable reduction took three times
+/// as long on the host), impl::sum_of_squares elsewhere.
+template <class Exec, class M>
+double squared_norm(const Exec& exec, const M& m) {
+  using T = typename M::non_const_value_type;
+#if defined(KFAC_HAVE_LAPACK)
+  if constexpr (host_accessible_v<Exec> && (std::is_same<T, float>::value || std::is_same<T, double>::value)) {
+    exec.fence();
+    const int n = int(m.span());
+    if constexpr (std::is_same<T, float>::value) return cblas_dsdot(n, m.data(), 1, m.data(), 1);
+    else return cblas_ddot(n, m.data(), 1, m.data(), 1);
+  }
+#endif
+  return sum_of_squares(exec, m);
+}
+
+/// The two sides of the Woodbury update of NGSGDLayer::apply: left(:, k) = r_in(k, :)^T for
+/// k < r_in (columns r_in.. hold Q' already), right = [diag(e_in) p; r_out].
+template <class Exec, class T>
+void stack_factors(const Exec& exec, const Matrix<T, Exec>& r_in, const Matrix<T, Exec>& p,
+                   const Vector<T, Exec>& e_in, const Matrix<T, Exec>& r_out, const Matrix<T, Exec>& left,
+                   const Matrix<T, Exec>& right) {
+  const int ri = int(r_in.extent(0)), ro = int(r_out.extent(0)), a = int(left.extent(0)), g = int(right.extent(1));
+  if (ri > 0)
+    Kokkos::parallel_for(
+        "kfac::ngsgd::stack_left", ColumnMajorRange<Exec>(exec, {0, 0}, {a, ri}),
+        KOKKOS_LAMBDA(int i, int k) { left(i, k) = r_in(k, i); });
+  Kokkos::parallel_for(
+      "kfac::ngsgd::stack_right", ColumnMajorRange<Exec>(exec, {0, 0}, {ri + ro, g}),
+      KOKKOS_LAMBDA(int k, int j) { right(k, j) = k < ri ? e_in(k) * p(k, j) : r_out(k - ri, j); });
 }
 
 /// r = [I 0].
