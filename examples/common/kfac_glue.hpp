@@ -52,9 +52,37 @@ struct KfacSettings {
   long factor_update_steps = 10;
   long inv_update_steps = 100;
   std::string inverse = "eigen";
+  /// KAISA's gradient-worker fraction under MPI (kfac::Options::with_grad_worker_fraction):
+  /// 1 = COMM-OPT (every rank preconditions every layer), 1/world = MEM-OPT; 0 picks it from
+  /// `strategy` and the world size.
+  double grad_worker_fraction = 0;
+  std::string strategy = "comm-opt";  ///< comm-opt (f = 1), hybrid (f = 1/2), mem-opt (f = 1/world)
 };
 
+/// \brief The gradient-worker fraction `s` asks for on `world_size` ranks (see KfacSettings).
+inline double resolve_grad_worker_fraction(const KfacSettings& s, int world_size) {
+  if (s.grad_worker_fraction > 0) return s.grad_worker_fraction;
+  const double mem = 1.0 / double(world_size > 0 ? world_size : 1);
+  if (s.strategy == "comm-opt") return 1.0;
+  if (s.strategy == "mem-opt") return mem;
+  if (s.strategy == "hybrid") return mem > 0.5 ? mem : 0.5;
+  throw std::invalid_argument("unknown K-FAC strategy '" + s.strategy + "' (expected comm-opt, hybrid or mem-opt)");
+}
+
 #if KFAC_EXAMPLES_HAVE_KFAC
+
+/// \brief kfac::Options of `s`, for the mean-reduced loss of the examples' cross-entropy.
+inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
+  return kfac::Options{}
+      .with_grad_worker_fraction(resolve_grad_worker_fraction(s, world_size))
+      .with_lr(s.lr)
+      .with_damping(s.damping)
+      .with_kl_clip(s.kl_clip)
+      .with_factor_decay(s.factor_decay)
+      .with_factor_update_steps(s.factor_update_steps)
+      .with_inv_update_steps(s.inv_update_steps)
+      .with_loss_reduction(kfac::LossReduction::mean);
+}
 
 class KfacSgd {
  public:
@@ -63,14 +91,7 @@ class KfacSgd {
       : sgd_(net.params(), SgdOptions{}.with_lr(s.lr).with_momentum(s.momentum).with_weight_decay(s.weight_decay)) {
     if (s.inverse != "eigen" && s.inverse != "cholesky")
       throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen or cholesky)");
-    const kfac::Options options = kfac::Options{}
-                                      .with_lr(s.lr)
-                                      .with_damping(s.damping)
-                                      .with_kl_clip(s.kl_clip)
-                                      .with_factor_decay(s.factor_decay)
-                                      .with_factor_update_steps(s.factor_update_steps)
-                                      .with_inv_update_steps(s.inv_update_steps)
-                                      .with_loss_reduction(kfac::LossReduction::mean);
+    const kfac::Options options = kfac_options(s, world.size());
 #if KFAC_EXAMPLES_HAVE_MPI
     if (world.size() > 1)
       mpi_ = std::make_unique<MpiPreconditioner>(options, ExecSpace(), kfac::MpiComm(world.comm()));

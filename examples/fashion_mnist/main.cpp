@@ -16,6 +16,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -67,6 +68,9 @@ void usage() {
       "  --damping X --kl-clip X --factor-decay X --factor-every N --inv-every N\n"
       "                                  K-FAC settings (mlp 0.3, 1e-2, 0.95, 10, 100; cnn 0.1, 1e-3, 0.95, 10, 100)\n"
       "  --inverse eigen|cholesky        K-FAC inversion of Dense/Conv2d factors (mlp cholesky, cnn eigen)\n"
+      "  --strategy comm-opt|hybrid|mem-opt   under mpiexec: KAISA's work assignment for K-FAC, i.e. the\n"
+      "                                  gradient-worker fraction 1, 1/2 or 1/P (default comm-opt)\n"
+      "  --grad-worker-fraction F        the fraction itself, in [1/P, 1] (overrides --strategy)\n"
       "  --ngsgd-period N --ngsgd-alpha X --ngsgd-rank R   NG-SGD settings (default 4, 4, 20; Kaldi's ranks:\n"
       "                                  --ngsgd-rank -1 = min(20|80, (d+1)/2))\n"
       "  --average-every N               under mpiexec: each rank trains on its own shard, parameters averaged\n"
@@ -161,6 +165,8 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--inv-every") num(a.train.kfac.inv_update_steps);
     else if (key == "--factor-every") num(a.train.kfac.factor_update_steps);
     else if (key == "--inverse") a.train.kfac.inverse = value;
+    else if (key == "--strategy") a.train.kfac.strategy = value;
+    else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
     else if (key == "--seed" || key == "--seeds") {
       a.seeds.clear();
       for (double v : to_numbers(key, value)) {
@@ -183,6 +189,10 @@ Args parse(const std::vector<std::string>& argv) {
       if (!(lr > 0)) throw std::invalid_argument("learning rates must be > 0 (" + who + ")");
   if (a.train.kfac.inverse != "eigen" && a.train.kfac.inverse != "cholesky")
     throw std::invalid_argument("--inverse: expected eigen or cholesky");
+  if (a.train.kfac.strategy != "comm-opt" && a.train.kfac.strategy != "hybrid" && a.train.kfac.strategy != "mem-opt")
+    throw std::invalid_argument("--strategy: expected comm-opt, hybrid or mem-opt");
+  if (a.train.kfac.grad_worker_fraction < 0 || a.train.kfac.grad_worker_fraction > 1)
+    throw std::invalid_argument("--grad-worker-fraction: expected a value in [1/P, 1]");
   return a;
 }
 
@@ -210,10 +220,20 @@ std::vector<nn::OptimizerKind> optimizers(const std::string& s, bool lead) {
   return all;
 }
 
-/// \brief The name of a run in the tables, log and plot: "sgd", or "sgd+avg100" in averaging mode.
-std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s) {
+/// \brief The name of a run in the tables, log and plot: "sgd", or "sgd+avg100" in averaging mode;
+/// K-FAC on several ranks with a gradient-worker fraction below 1 is "kfac+f0.5" (KAISA HYBRID or
+/// MEM-OPT), so that the CSV log tells the strategies apart.
+std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_size = 1) {
   std::string n = nn::to_string(k);
   if (s.average_every > 0) n += "+avg" + std::to_string(s.average_every) + (s.average_momentum ? "m" : "");
+  if (k == nn::OptimizerKind::kfac && world_size > 1) {
+    const double f = nn::resolve_grad_worker_fraction(s.kfac, world_size);
+    if (f < 1) {
+      char b[32];
+      std::snprintf(b, sizeof b, "+f%.3g", f);
+      n += b;
+    }
+  }
   return n;
 }
 
@@ -237,7 +257,7 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
     return (i + 1) * per_epoch / steps != i * per_epoch / steps;
   };
   const long total_steps = long(steps) * args.epochs;
-  const std::string name = run_name(s.optimizer, s);
+  const std::string name = run_name(s.optimizer, s, world.size());
   const std::string schedule = s.average_every > 0 ? "test after each average" : args.eval_every > 0 ? "test every " + std::to_string(args.eval_every) + " steps"
                                                     : "test " + std::to_string(per_epoch) + " times per epoch";
   if (lead)
@@ -340,6 +360,12 @@ int run(const Args& args, const nn::World& world) {
                 args.train.model.c_str(), args.train.batch);
     if (world.size() > 1) std::printf(" (%d per process, %d processes)", args.train.batch / world.size(), world.size());
     std::printf("\ntimes count training steps only (test evaluations are excluded)\n");
+    if (world.size() > 1 && std::find(kinds.begin(), kinds.end(), nn::OptimizerKind::kfac) != kinds.end()) {
+      const double f = nn::resolve_grad_worker_fraction(args.train.kfac, world.size());
+      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer)\n",
+                  f, args.train.kfac.grad_worker_fraction > 0 ? "--grad-worker-fraction" : args.train.kfac.strategy.c_str(),
+                  int(std::lround(f * world.size())), world.size());
+    }
   }
 
   std::unique_ptr<demo::CsvLog> log;
@@ -363,7 +389,7 @@ int run(const Args& args, const nn::World& world) {
   std::vector<const demo::RunSummary*> shown;
   for (nn::OptimizerKind k : kinds) {
     nn::TrainSettings named = args.train;
-    const std::string name = run_name(k, named);
+    const std::string name = run_name(k, named, world.size());
     const demo::Group* g = demo::best_group(groups, name, args.target_acc);
     for (const auto& x : groups)
       if (!g && x.optimizer == name) g = &x;
