@@ -8,7 +8,7 @@ packages=(
   libeigen3-dev catch2
   libopenmpi-dev openmpi-bin
   libopenblas-dev liblapacke-dev
-  zlib1g-dev gnuplot-nox
+  zlib1g-dev gnuplot-nox ccache
   clang libclang-rt-14-dev
   dataset-fashion-mnist
   libtorch-dev

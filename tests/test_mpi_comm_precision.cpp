@@ -1,9 +1,17 @@
 // Reduced-precision factor averaging over long runs with a drifting statistic, and MPI message
-// chunking (MpiComm::with_max_message_bytes), at 2, 3 and 4 ranks.
+// chunking (MpiComm::with_max_message_bytes), at 2, 3 and 4 ranks; the payload conversion kernels
+// against the former host loops, and sums of payloads converted in the data's memory against
+// MpiComm's host sums, bit for bit.
 #include "mpi_harness.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <kfac/distributed/staging.hpp>
+#include <limits>
+#include <string>
+#include <vector>
 
 using namespace kfac_test;
 using namespace kfac_test::mpi;
@@ -214,4 +222,113 @@ TEST_CASE("tiny MPI messages: sums and broadcasts in pieces, same bits and bytes
       CHECK(md == expect_dflt);
     }
   }
+}
+
+namespace {
+
+// The host conversions of kfac before the payload kernels (MpiComm::sum's loops), verbatim.
+std::uint16_t host_to_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return std::uint16_t(u >> 16);
+}
+float host_from_bf16(std::uint16_t h) {
+  const std::uint32_t u = std::uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// Values that stress the conversions: rounding ties and near-ties in bf16 and float, signed
+/// zeros, subnormals of both types, values past float's range, infinities, NaNs; then random.
+std::vector<double> hard_values(int rank) {
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> v = {0.0, -0.0, 1.0, -1.0, 1.0 + 1.0 / 256, 1.0 + 3.0 / 256, 1.0 + 1.0 / 512,
+                           1.0 + 3.0 / 512, 1.0 + 1.0 / 512 + 1e-12, 1.0 + 0x1p-24, 1.0 + 0x1p-24 + 0x1p-40,
+                           std::numeric_limits<float>::denorm_min(), std::numeric_limits<double>::denorm_min(),
+                           1e-40, 3.4e38, 3.5e38, 1e300, -1e300, inf, -inf,
+                           std::numeric_limits<double>::quiet_NaN(), 65504.0, 3.0e38};
+  Rng rng(4242u + unsigned(rank));
+  for (int i = 0; i < 200; ++i) v.push_back(rng.uniform() * std::pow(10.0, 6 * rng.uniform()));
+  return v;
+}
+
+template <class T>
+std::string bits_of(const T* p, std::size_t n) {
+  return std::string(reinterpret_cast<const char*>(p), n * sizeof(T));
+}
+
+}  // namespace
+
+TEST_CASE("payload kernels convert to the same bits as the former host loops", "[precision][payload]") {
+  using Exec = Kokkos::DefaultExecutionSpace;
+  using Mem = Exec::memory_space;
+  const std::vector<double> v = hard_values(rank_in());
+  const std::size_t n = v.size();
+  // the host reference: double -> float, double -> float -> bf16, float -> bf16, and back
+  std::vector<float> f32(n), asf(n), back_f(n);
+  std::vector<std::uint16_t> bf_d(n), bf_f(n);
+  std::vector<double> back_d32(n), back_d16(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    f32[i] = float(v[i]);
+    asf[i] = float(v[i]);
+    bf_d[i] = host_to_bf16(float(v[i]));
+    bf_f[i] = host_to_bf16(asf[i]);
+    back_d32[i] = double(f32[i]);
+    back_d16[i] = double(host_from_bf16(bf_d[i]));
+    back_f[i] = host_from_bf16(bf_f[i]);
+  }
+  Kokkos::View<double*, Mem> d("d", n);
+  Kokkos::View<float*, Mem> f("f", n), fout("fout", n);
+  Kokkos::View<std::uint16_t*, Mem> h("h", n);
+  Kokkos::deep_copy(d, Kokkos::View<const double*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(v.data(), n));
+  Kokkos::deep_copy(f, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(asf.data(), n));
+  auto host = [](const auto& view) { return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, view); };
+  const Exec exec;
+  kfac::impl::pack_payload(exec, d.data(), n, 8, kfac::CommPrecision::float32, fout.data());
+  CHECK(bits_of(host(fout).data(), n) == bits_of(f32.data(), n));
+  kfac::impl::unpack_payload(exec, fout.data(), n, 8, kfac::CommPrecision::float32, d.data());
+  CHECK(bits_of(host(d).data(), n) == bits_of(back_d32.data(), n));
+  Kokkos::deep_copy(d, Kokkos::View<const double*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(v.data(), n));
+  kfac::impl::pack_payload(exec, d.data(), n, 8, kfac::CommPrecision::bfloat16, h.data());
+  CHECK(bits_of(host(h).data(), n) == bits_of(bf_d.data(), n));
+  kfac::impl::unpack_payload(exec, h.data(), n, 8, kfac::CommPrecision::bfloat16, d.data());
+  CHECK(bits_of(host(d).data(), n) == bits_of(back_d16.data(), n));
+  kfac::impl::pack_payload(exec, f.data(), n, 4, kfac::CommPrecision::bfloat16, h.data());
+  CHECK(bits_of(host(h).data(), n) == bits_of(bf_f.data(), n));
+  kfac::impl::unpack_payload(exec, h.data(), n, 4, kfac::CommPrecision::bfloat16, f.data());
+  CHECK(bits_of(host(f).data(), n) == bits_of(back_f.data(), n));
+}
+
+TEST_CASE("sums of payloads converted in the data's memory equal MpiComm's host sums bit for bit",
+          "[mpi][precision][payload]") {
+  // Kokkos::DefaultExecutionSpace: on Serial/OpenMP the kernel conversions against MpiComm::sum's
+  // host loops; on CUDA also the device buffers staged for MPI (bfloat16 always through the host).
+  using Exec = Kokkos::DefaultExecutionSpace;
+  using Mem = Exec::memory_space;
+  const int rank = rank_in();
+  kfac::MpiComm host_comm(MPI_COMM_WORLD), device_comm(MPI_COMM_WORLD);
+  Kokkos::View<char*, Mem> scratch;
+  for (auto payload : {kfac::CommPrecision::native, kfac::CommPrecision::float32, kfac::CommPrecision::bfloat16}) {
+    INFO("payload " << int(payload));
+    std::vector<double> ref = hard_values(rank);  // the same bytes in give the same bytes out, NaN too
+    const std::size_t n = ref.size();
+    std::vector<float> reff(ref.begin(), ref.end());
+    Kokkos::View<double*, Mem> d("d", n);
+    Kokkos::View<float*, Mem> f("f", n);
+    Kokkos::deep_copy(d, Kokkos::View<const double*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(ref.data(), n));
+    Kokkos::deep_copy(f, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(reff.data(), n));
+    host_comm.sum(ref.data(), n, 8, payload);
+    host_comm.sum(reff.data(), n, 4, payload);
+    kfac::impl::sum_payload(Exec{}, device_comm, d.data(), n, 8, payload, scratch);
+    kfac::impl::sum_payload(Exec{}, device_comm, f.data(), n, 4, payload, scratch);
+    auto hd = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, d);
+    auto hf = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, f);
+    CHECK(everywhere(bits_of(hd.data(), n) == bits_of(ref.data(), n)));
+    CHECK(everywhere(bits_of(hf.data(), n) == bits_of(reff.data(), n)));
+    CHECK(device_comm.bytes_sent() == host_comm.bytes_sent());
+    CHECK(device_comm.messages() == host_comm.messages());
+  }
+  if (size_of() > 1) CHECK(scratch.extent(0) > 0);  // the converted payloads went through it
 }

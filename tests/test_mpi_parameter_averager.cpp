@@ -11,6 +11,7 @@
 #include <kfac/kfac.hpp>
 #include <kfac/methods/ngsgd/ngsgd.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "reference.hpp"
@@ -117,6 +118,41 @@ TEST_CASE("ParameterAverager: bit-identical mean on every rank, bucketed", "[mpi
     CHECK(same_on_every_rank(mine.a));
     CHECK(same_on_every_rank(mine.b));
   }
+}
+
+TEST_CASE("ParameterAverager on the default execution space equals the host averager bit for bit",
+          "[mpi][averaging][device]") {
+  // Kokkos::DefaultExecutionSpace: Serial or OpenMP (host memory, given to MPI directly) or CUDA
+  // (device views; packed by kernels in device memory, staged through the host for MPI).
+  using Exec = Kokkos::DefaultExecutionSpace;
+  const int r = world_rank();
+  kfac::MpiComm comm;
+  Params host(r);
+  kfac::ParameterAverager<kfac::MpiComm> ref(comm, 1, 40);
+  host.add_to(ref);
+  ref.average(1.0 + r);
+  const Params original(r);
+  auto on_device = [](const auto& h) {
+    Kokkos::View<typename std::decay_t<decltype(h)>::non_const_value_type*, Exec::memory_space> d("d", h.extent(0));
+    Kokkos::deep_copy(d, h);
+    return d;
+  };
+  auto a = on_device(original.a), c = on_device(original.c);
+  auto b = on_device(original.b);
+  kfac::ParameterAverager<kfac::MpiComm, Exec> avg(comm, 1, 40);
+  avg.add(a);
+  avg.add(b);
+  avg.add(c);
+  avg.average(1.0 + r);
+  CHECK(avg.bytes_sent() == ref.bytes_sent());
+  CHECK(avg.collectives() == ref.collectives());
+  auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, a);
+  auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, b);
+  auto hc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, c);
+  CHECK(std::memcmp(ha.data(), host.a.data(), 37 * 8) == 0);
+  CHECK(std::memcmp(hb.data(), host.b.data(), 11 * 4) == 0);
+  CHECK(std::memcmp(hc.data(), host.c.data(), 5 * 8) == 0);
+  if (world_size() > 1) CHECK(std::memcmp(ha.data(), original.a.data(), 37 * 8) != 0);  // it did average
 }
 
 TEST_CASE("ParameterAverager: weighted by samples seen", "[mpi][averaging][weights]") {

@@ -47,10 +47,10 @@ class ParameterAveraging {
     if (every < 1) throw std::invalid_argument("--average-every must be >= 1");
 #if KFAC_EXAMPLES_HAVE_MPI
     if (world.size() > 1)
-      mpi_ = std::make_unique<kfac::ParameterAverager<kfac::MpiComm>>(kfac::MpiComm(world.comm()), every);
+      mpi_ = std::make_unique<kfac::ParameterAverager<kfac::MpiComm, ExecSpace>>(kfac::MpiComm(world.comm()), every);
 #endif
     if (world.size() > 1 && !mpi_) throw std::runtime_error("parameter averaging needs kfac built with MPI");
-    if (!mpi_) serial_ = std::make_unique<kfac::ParameterAverager<kfac::SerialComm>>(kfac::SerialComm{}, every);
+    if (!mpi_) serial_ = std::make_unique<kfac::ParameterAverager<kfac::SerialComm, ExecSpace>>(kfac::SerialComm{}, every);
     with_averager([&](auto& a) {
       for (const Param& p : params) a.add(p.value);
       for (const Vector& v : momentum) a.add(v);
@@ -78,9 +78,9 @@ class ParameterAveraging {
     else
       f(*serial_);
   }
-  std::unique_ptr<kfac::ParameterAverager<kfac::SerialComm>> serial_;
+  std::unique_ptr<kfac::ParameterAverager<kfac::SerialComm, ExecSpace>> serial_;
 #if KFAC_EXAMPLES_HAVE_MPI
-  std::unique_ptr<kfac::ParameterAverager<kfac::MpiComm>> mpi_;
+  std::unique_ptr<kfac::ParameterAverager<kfac::MpiComm, ExecSpace>> mpi_;
 #else
   struct None {
     std::size_t bytes_sent() const { return 0; }

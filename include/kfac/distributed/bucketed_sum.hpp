@@ -17,14 +17,16 @@
 namespace kfac {
 namespace impl {
 
-/// The buffer of a contiguous, host-accessible float or double view, for an averager.
-template <class View>
-Buffer host_buffer_of(const View& v, const char* who) {
+/// The buffer of a contiguous float or double view in memory that Exec can access, for an
+/// averager (`who` names it in the error).
+template <class Exec, class View>
+Buffer averaged_buffer_of(const View& v, const char* who) {
   using T = typename View::non_const_value_type;
   static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
                 "kfac: averaged views must be float or double");
-  static_assert(Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View::memory_space>::accessible,
-                "kfac: averaged views must be host-accessible (stage device views through a mirror)");
+  static_assert(Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible,
+                "kfac: averaged views must be in memory that the averager's Exec can access "
+                "(device views: an averager with Exec = Kokkos::DefaultExecutionSpace)");
   if (!v.span_is_contiguous()) throw Error("", std::string(who) + ": views must be contiguous");
   return buffer_of(v);
 }

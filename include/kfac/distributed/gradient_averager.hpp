@@ -36,14 +36,7 @@ class GradientAverager {
 
   template <class View>
   void add(const View& v) {
-    using T = typename View::non_const_value_type;
-    static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                  "GradientAverager: gradients must be float or double");
-    static_assert(Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible,
-                  "GradientAverager: gradients must be in memory that Exec can access "
-                  "(device views: GradientAverager<Comm, Kokkos::DefaultExecutionSpace>)");
-    if (!v.span_is_contiguous()) throw Error("", "GradientAverager: gradient views must be contiguous");
-    buffers_.push_back(impl::buffer_of(v));
+    buffers_.push_back(impl::averaged_buffer_of<Exec>(v, "GradientAverager"));
   }
 
   /// Replaces every registered gradient by its mean over ranks.

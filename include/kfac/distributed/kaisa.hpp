@@ -137,9 +137,7 @@ struct Kaisa {
         impl::transfer_factor<Exec, T>(exec, f, flat, off, true, T(1), static_cast<const T*>(f.base));
         off += p.count;
       }
-      exec.fence();
-      impl::on_host<Exec>(comm_, flat.data(), count * sizeof(T),
-                          [&](void* p) { comm_.sum(p, count, sizeof(T), payload); });
+      impl::sum_payload(exec, comm_, flat.data(), count, sizeof(T), payload, payload_);
       const T inv_world = T(1) / T(comm_.size());
       off = 0;
       for (const auto& p : bucket) {  // unpack and average
@@ -159,6 +157,7 @@ struct Kaisa {
     bool groups_made_ = false;
     typename Comm::group_type worker_{}, receiver_{};
     Kokkos::View<char*, memory_space> staging_;
+    Kokkos::View<char*, memory_space> payload_;  // a bucket converted to a float32 or bfloat16 payload
   };
 };
 

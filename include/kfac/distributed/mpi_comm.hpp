@@ -5,8 +5,10 @@
 /// Works on any communicator the user passes (duplicated internally so kfac's traffic never
 /// matches the user's). Sums are computed as MPI_Reduce to rank 0 followed by MPI_Bcast, so every
 /// rank receives the same bits (an allreduce may round differently on different ranks).
-/// Buffers are host pointers; device buffers are staged through the host by the Preconditioner
-/// unless `cuda_aware` is set, in which case device pointers are passed to MPI directly.
+/// Buffers are host pointers. Device buffers are summed through impl::sum_payload: a float32 or
+/// bfloat16 payload is converted by kernels in device memory; with `cuda_aware`, MPI gets the
+/// device buffer (native) or the converted device buffer (float32), otherwise a host copy of
+/// it; a bfloat16 payload is always reduced in host memory (its MPI_Op is a host function).
 ///
 /// Copies share one duplicated communicator (and byte counter). Sub-communicators are
 /// MpiComm::Group objects that free themselves: each distribution policy owns its own, so any
@@ -28,18 +30,7 @@
 namespace kfac {
 
 namespace impl {
-inline std::uint16_t to_bf16(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  return std::uint16_t(u >> 16);
-}
-inline float from_bf16(std::uint16_t h) {
-  const std::uint32_t u = std::uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+/// The bfloat16 MPI_Op: a host function, so its buffers must be host memory.
 inline void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
   auto* a = static_cast<std::uint16_t*>(in);
   auto* b = static_cast<std::uint16_t*>(inout);
@@ -103,10 +94,13 @@ class MpiComm {
     return r[0] == ~r[1];  // max == min
   }
 
-  /// Sum over ranks into every rank's buffer, bit-identical everywhere (reduce + broadcast).
+  /// \brief Sum over ranks into every rank's host buffer, bit-identical everywhere (reduce +
+  /// broadcast). A float32 or bfloat16 payload is converted on the host here; buffers in device
+  /// memory go through impl::sum_payload (distributed/payload.hpp), which converts them by
+  /// kernels where they live. With `cuda_aware`, `data` may be device memory for a native payload.
   void sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload) const {
     if (count == 0 || size() == 1) return;
-    if (payload == CommPrecision::native || (payload == CommPrecision::float32 && scalar_size == 4)) {
+    if (impl::payload_is_native(payload, scalar_size)) {
       MPI_Datatype t = scalar_size == 8 ? MPI_DOUBLE : MPI_FLOAT;
       reduce_bcast(data, count, scalar_size, t, MPI_SUM);
       return;
@@ -115,7 +109,7 @@ class MpiComm {
       std::vector<float> tmp(count);
       auto* d = static_cast<double*>(data);
       for (std::size_t i = 0; i < count; ++i) tmp[i] = float(d[i]);
-      reduce_bcast(tmp.data(), count, 4, MPI_FLOAT, MPI_SUM);
+      sum_converted(tmp.data(), count, payload);
       for (std::size_t i = 0; i < count; ++i) d[i] = double(tmp[i]);
       return;
     }
@@ -123,11 +117,23 @@ class MpiComm {
     for (std::size_t i = 0; i < count; ++i)
       tmp[i] = impl::to_bf16(scalar_size == 8 ? float(static_cast<double*>(data)[i])
                                               : static_cast<float*>(data)[i]);
-    reduce_bcast(tmp.data(), count, 2, MPI_UINT16_T, state_->bf16_op);
+    sum_converted(tmp.data(), count, payload);
     for (std::size_t i = 0; i < count; ++i) {
       if (scalar_size == 8) static_cast<double*>(data)[i] = double(impl::from_bf16(tmp[i]));
       else static_cast<float*>(data)[i] = impl::from_bf16(tmp[i]);
     }
+  }
+  /// \brief Sum over ranks of a payload already converted (float32: `count` floats; bfloat16:
+  /// `count` bfloat16 bit patterns, summed pairwise in float), in place, bit-identical everywhere.
+  /// bfloat16 payloads must be in host memory (the reduction is a host MPI_Op); a float32 one
+  /// may be device memory when the communicator is `cuda_aware`.
+  void sum_converted(void* payload_data, std::size_t count, CommPrecision payload) const {
+    if (payload == CommPrecision::native) throw Error("", "MpiComm::sum_converted: a native payload needs sum()");
+    if (count == 0 || size() == 1) return;
+    if (payload == CommPrecision::float32)
+      reduce_bcast(payload_data, count, 4, MPI_FLOAT, MPI_SUM);
+    else
+      reduce_bcast(payload_data, count, 2, MPI_UINT16_T, state_->bf16_op);
   }
 
   /// \brief A sub-communicator; frees itself (move-only).

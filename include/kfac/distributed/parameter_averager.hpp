@@ -30,11 +30,19 @@ namespace kfac {
 /// (Povey et al. average the parameters only; see docs/parameter_averaging.md). With one rank,
 /// averaging is the identity and sends nothing.
 ///
-/// Views must be contiguous, of float or double, and host-accessible (as for GradientAverager).
+/// Views must be contiguous, of float or double, in memory that `Exec` can access (as for
+/// GradientAverager): buckets are packed and unpacked by kernels on `Exec` into a staging view
+/// in its memory, and a communicator that cannot read that memory gets a host copy of the
+/// packed bucket. The weights are host scalars.
 /// \tparam Comm SerialComm or MpiComm.
-template <class Comm>
+/// \tparam Exec the execution space whose memory holds the parameters (the host's by default;
+///         `Kokkos::DefaultExecutionSpace` for device views).
+template <class Comm, class Exec = Kokkos::DefaultHostExecutionSpace>
 class ParameterAverager {
  public:
+  using execution_space = Exec;
+  using memory_space = typename Exec::memory_space;
+
   /// \param every [in] maybe_average() averages after every `every` steps (>= 1).
   /// \param bucket_bytes [in] upper bound of one collective's payload (>= 8).
   explicit ParameterAverager(Comm comm, long every = 1, std::size_t bucket_bytes = std::size_t(16) << 20)
@@ -46,7 +54,7 @@ class ParameterAverager {
   /// Registers a parameter (or momentum) view; its storage must outlive the averager.
   template <class View>
   void add(const View& v) {
-    buffers_.push_back(impl::host_buffer_of(v, "ParameterAverager"));
+    buffers_.push_back(impl::averaged_buffer_of<Exec>(v, "ParameterAverager"));
     checked_ = false;
   }
 
@@ -86,9 +94,9 @@ class ParameterAverager {
       bytes_ += comm_.bytes_sent() - sent_before;
       throw Error("", "ParameterAverager: the weights of all ranks are 0; nothing was averaged");
     }
-    const Kokkos::DefaultHostExecutionSpace host;
-    collectives_ += impl::bucketed_sum<float>(host, comm_, buffers_, bucket_bytes_, float(weight), float(1.0 / w[0]), staging_);
-    collectives_ += impl::bucketed_sum<double>(host, comm_, buffers_, bucket_bytes_, weight, 1.0 / w[0], staging_);
+    const Exec exec;
+    collectives_ += impl::bucketed_sum<float>(exec, comm_, buffers_, bucket_bytes_, float(weight), float(1.0 / w[0]), staging_);
+    collectives_ += impl::bucketed_sum<double>(exec, comm_, buffers_, bucket_bytes_, weight, 1.0 / w[0], staging_);
     bytes_ += comm_.bytes_sent() - sent_before;
     ++averages_;
   }
@@ -122,7 +130,7 @@ class ParameterAverager {
   bool checked_ = false;
   std::size_t collectives_ = 0, bytes_ = 0;
   long averages_ = 0;
-  Kokkos::View<char*, Kokkos::HostSpace> staging_;
+  Kokkos::View<char*, memory_space> staging_;
 };
 
 }  // namespace kfac

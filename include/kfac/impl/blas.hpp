@@ -4,7 +4,9 @@
 // implementation otherwise. The portable path is always compiled and always tested.
 #include <KokkosBlas3_gemm.hpp>
 #include <Kokkos_Core.hpp>
+#include <cstddef>
 #include <string>
+#include <type_traits>
 
 #include "kfac/error.hpp"
 #include "kfac/impl/math.hpp"
@@ -61,10 +63,60 @@ constexpr bool use_lapack_v =
     false;
 #endif
 
+/// \brief Scratch memory of one factorization, kept between decompositions (a member of the
+/// policies' Factorization objects): the vendor solver's workspace and info word (cuSOLVER),
+/// and an n x n matrix for the portable paths (Cholesky factor, Jacobi's working copy). Grown
+/// when a call needs more, never shrunk.
+template <class T, class Exec>
+struct SolverWorkspace {
+  using memory_space = typename Exec::memory_space;
+  Kokkos::View<T*, memory_space> work;
+  Kokkos::View<int, memory_space> info;
+  Matrix<T, Exec> scratch;
+
+  /// At least `count` values of work (and the info word).
+  T* work_for(std::size_t count) {
+    if (work.extent(0) < count) work = Kokkos::View<T*, memory_space>("kfac::linalg::work", count);
+    if (info.data() == nullptr) info = Kokkos::View<int, memory_space>("kfac::linalg::info");
+    return work.data();
+  }
+  /// An n x n scratch matrix (contents undefined).
+  const Matrix<T, Exec>& scratch_for(int n) {
+    if (int(scratch.extent(0)) != n)
+      scratch = Matrix<T, Exec>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::linalg::scratch"), n, n);
+    return scratch;
+  }
+};
+
+/// Throws kfac::Error "linalg::<entry>: <what>" unless ok (the shape checks of the entries).
+inline void require_shape(bool ok, const char* entry, const char* what, std::size_t r0, std::size_t c0,
+                          std::size_t r1 = 0, std::size_t c1 = 0) {
+  if (ok) return;
+  std::string msg = std::string("linalg::") + entry + ": " + what + " (got " + std::to_string(r0) + " x " +
+                    std::to_string(c0);
+  if (r1 || c1) msg += " and " + std::to_string(r1) + " x " + std::to_string(c1);
+  throw Error("", msg + ")");
+}
+
+/// Checks that `f` is square and `m` has its shape (entries taking a factor and an n x n output).
+template <class F, class M>
+void require_square_pair(const char* entry, const F& f, const M& m) {
+  static_assert(unsigned(F::rank) == 2 && unsigned(M::rank) == 2, "kfac::impl: matrices must be rank 2");
+  require_shape(f.extent(0) == f.extent(1), entry, "the factor must be square", f.extent(0), f.extent(1));
+  require_shape(m.extent(0) == f.extent(0) && m.extent(1) == f.extent(0), entry,
+                "the output must have the factor's shape", f.extent(0), f.extent(1), m.extent(0), m.extent(1));
+}
+
 /// C = alpha op(A) op(B) + beta C, on the execution space's default instance.
 template <class Exec, class A, class B, class C>
 void gemm(const Exec& exec, const char* ta, const char* tb, typename C::non_const_value_type alpha,
           const A& a, const B& b, typename C::non_const_value_type beta, const C& c) {
+  const bool at = ta[0] != 'N' && ta[0] != 'n', bt = tb[0] != 'N' && tb[0] != 'n';
+  const std::size_t m = at ? a.extent(1) : a.extent(0), ka = at ? a.extent(0) : a.extent(1);
+  const std::size_t kb = bt ? b.extent(1) : b.extent(0), n = bt ? b.extent(0) : b.extent(1);
+  require_shape(ka == kb, "gemm", "op(A) and op(B) do not chain", m, ka, kb, n);
+  require_shape(c.extent(0) == m && c.extent(1) == n, "gemm", "C must be op(A) op(B)'s shape", c.extent(0),
+                c.extent(1), m, n);
 #if defined(KOKKOSKERNELS_VERSION) && KOKKOSKERNELS_VERSION >= 40000
   KokkosBlas::gemm(exec, ta, tb, alpha, a, b, beta, c);
 #else
@@ -82,6 +134,8 @@ void syrk_t_upper(const Exec& exec, T alpha, const R& r, T beta, const Matrix<T,
   constexpr bool row_major = std::is_same<typename R::array_layout, Kokkos::LayoutRight>::value;
   static_assert(row_major || std::is_same<typename R::array_layout, Kokkos::LayoutLeft>::value,
                 "kfac::impl::syrk_t_upper: R must be LayoutLeft or LayoutRight");
+  require_shape(c.extent(0) == c.extent(1) && r.extent(1) == c.extent(0), "syrk", "C must be n x n for R k x n",
+                c.extent(0), c.extent(1), r.extent(0), r.extent(1));
   const int n = int(c.extent(0)), k = int(r.extent(0));
   if (n == 0) return;
 #if defined(KFAC_HAVE_LAPACK)
@@ -192,13 +246,17 @@ void jacobi_eigh(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exe
 }
 
 /// Symmetric eigendecomposition of the upper triangle of `f`: q (eigenvectors, columns) and
-/// w (ascending eigenvalues). `f` is left untouched.
+/// w (ascending eigenvalues). `f` is left untouched; `ws` keeps scratch memory between calls.
 template <class Backend, class Exec, class F, class T>
 void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T, Exec>& w,
-          int jacobi_sweeps = 60) {
+          SolverWorkspace<T, Exec>& ws, int jacobi_sweeps = 60) {
+  require_square_pair("eigh", f, q);
+  require_shape(w.extent(0) == f.extent(0), "eigh", "w must have one entry per row of the factor", f.extent(0),
+                f.extent(1), w.extent(0), 1);
   const int n = int(f.extent(0));
 #if defined(KFAC_HAVE_LAPACK)
   if constexpr (use_lapack_v<Exec, Backend>) {
+    (void)ws;
     // syevd reads only the upper triangle: a plain copy (a memcpy) does when no type changes.
     if constexpr (std::is_same<typename F::non_const_value_type, T>::value &&
                   std::is_same<typename F::array_layout, Kokkos::LayoutLeft>::value)
@@ -214,61 +272,117 @@ void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T
   symmetric_copy(exec, f, q);
 #if defined(KFAC_HAVE_CUSOLVER)
   if constexpr (std::is_same<Exec, Kokkos::Cuda>::value && std::is_same<Backend, AutoBackend>::value) {
-    cusolver_eigh(exec, q, w);
+    cusolver_eigh(exec, q, w, ws);
     return;
   }
 #endif
-  Matrix<T, Exec> work(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigh::work"), n, n);
+  const Matrix<T, Exec>& work = ws.scratch_for(n);
   Kokkos::deep_copy(exec, work, q);
   jacobi_eigh(exec, work, q, w, jacobi_sweeps);
 }
 
+/// The same with scratch memory for this call only.
+template <class Backend, class Exec, class F, class T>
+void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T, Exec>& w,
+          int jacobi_sweeps = 60) {
+  SolverWorkspace<T, Exec> ws;
+  eigh<Backend>(exec, f, q, w, ws, jacobi_sweeps);
+}
+
+/// \brief Cholesky factorization L L^T of the full SPD matrix `a` into the lower triangle of
+/// `l` (its upper triangle is left as copied). One team: each column's pivot is summed by one
+/// thread (in the order of the former one-thread kernel), the entries below it by the team's
+/// threads, each entry's sum in the same order, so the factor's bits do not depend on the team
+/// size. `team_size` 0: the largest the backend allows for this kernel, at most n (Kokkos'
+/// AUTO would give one thread per core's hardware threads on OpenMP, i.e. often 1). Returns 0,
+/// or the 1-based column where a pivot was not positive. Portable: the reference the vendor
+/// paths are tested against.
+template <class Exec, class T>
+int cholesky_lower(const Exec& exec, const Matrix<T, Exec>& a, const Matrix<T, Exec>& l, int team_size = 0) {
+  const int n = int(a.extent(0));
+  Kokkos::deep_copy(exec, l, a);
+  Kokkos::View<int, typename Exec::memory_space> bad("kfac::cholesky::bad");
+  using Policy = Kokkos::TeamPolicy<Exec>;
+  using Member = typename Policy::member_type;
+  const auto body = KOKKOS_LAMBDA(const Member& team) {
+    for (int j = 0; j < n; ++j) {
+      T d = T(0);
+      Kokkos::single(
+          Kokkos::PerTeam(team),
+          [&](T& dj) {
+            dj = l(j, j);
+            for (int k = 0; k < j; ++k) dj -= l(j, k) * l(j, k);
+            if (dj > T(0)) {
+              dj = sqrt_(dj);
+              l(j, j) = dj;
+            } else {
+              bad() = j + 1;
+            }
+          },
+          d);
+      if (!(d > T(0))) return;  // every thread sees the same broadcast pivot
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, j + 1, n), [&](int i) {
+        T s = l(i, j);
+        for (int k = 0; k < j; ++k) s -= l(i, k) * l(j, k);
+        l(i, j) = s / d;
+      });
+      team.team_barrier();
+    }
+  };
+  if (team_size <= 0) {
+    const int most = Policy(exec, 1, 1).team_size_max(body, Kokkos::ParallelForTag());
+    team_size = most < n ? most : n;
+  }
+  Kokkos::parallel_for("kfac::linalg::cholesky", Policy(exec, 1, team_size > 0 ? team_size : 1), body);
+  auto hbad = Kokkos::create_mirror_view(bad);
+  Kokkos::deep_copy(hbad, bad);
+  return hbad();
+}
+
+/// Copies the upper triangle of `a` onto its lower one.
+template <class Exec, class M>
+void mirror_upper(const Exec& exec, const M& a) {
+  const int n = int(a.extent(0));
+  Kokkos::parallel_for(
+      "kfac::linalg::mirror_upper", Kokkos::RangePolicy<Exec>(exec, 0, n),
+      KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) a(i, j) = a(j, i); });
+}
+
 /// Inverse of the symmetric positive definite matrix given by the upper triangle of `f`, plus
 /// `shift` on its diagonal, into `inv` (full). Throws when the matrix is not positive definite.
+/// `ws` keeps the solver's scratch memory between calls.
 template <class Backend, class Exec, class F, class T>
-void spd_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& inv) {
+void spd_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& inv, SolverWorkspace<T, Exec>& ws) {
+  require_square_pair("spd_inverse", f, inv);
   const int n = int(f.extent(0));
   symmetric_copy(exec, f, inv);
   add_diagonal(exec, inv, shift);
 #if defined(KFAC_HAVE_LAPACK)
   if constexpr (use_lapack_v<Exec, Backend>) {
     exec.fence();
-    const int ld = int(inv.stride(1));
+    const int ld = n > 0 ? int(inv.stride(1)) : 1;
     int info = lapack_potrf(n, inv.data(), ld);
     if (info > 0)
       throw Error("", "Cholesky factorization broke down at column " + std::to_string(info) +
                           ": factor + damping is not positive definite");
     if (info == 0) info = lapack_potri(n, inv.data(), ld);
     if (info != 0) throw Error("", "LAPACK potrf/potri failed with info = " + std::to_string(info));
-    Kokkos::parallel_for(
-        "kfac::linalg::mirror_upper", Kokkos::RangePolicy<Exec>(exec, 0, n),
-        KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) inv(i, j) = inv(j, i); });
+    mirror_upper(exec, inv);
     return;
   }
 #endif
-  // Portable: Cholesky L L^T on one thread, then one column of the inverse per thread.
-  Matrix<T, Exec> l(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::cholesky::l"), n, n);
-  Kokkos::deep_copy(exec, l, inv);
-  Kokkos::View<int, typename Exec::memory_space> bad("kfac::cholesky::bad");
-  Kokkos::parallel_for(
-      "kfac::linalg::cholesky", Kokkos::RangePolicy<Exec>(exec, 0, 1), KOKKOS_LAMBDA(int) {
-        for (int j = 0; j < n; ++j) {
-          T d = l(j, j);
-          for (int k = 0; k < j; ++k) d -= l(j, k) * l(j, k);
-          if (!(d > T(0))) { bad() = j + 1; return; }
-          d = sqrt_(d);
-          l(j, j) = d;
-          for (int i = j + 1; i < n; ++i) {
-            T s = l(i, j);
-            for (int k = 0; k < j; ++k) s -= l(i, k) * l(j, k);
-            l(i, j) = s / d;
-          }
-        }
-      });
-  auto hbad = Kokkos::create_mirror_view(bad);
-  Kokkos::deep_copy(hbad, bad);
-  if (hbad())
-    throw Error("", "Cholesky factorization broke down at column " + std::to_string(hbad()) +
+#if defined(KFAC_HAVE_CUSOLVER)
+  if constexpr (std::is_same<Exec, Kokkos::Cuda>::value && std::is_same<Backend, AutoBackend>::value) {
+    cusolver_spd_inverse_upper(exec, inv, ws);
+    mirror_upper(exec, inv);
+    return;
+  }
+#endif
+  // Portable: a team-parallel Cholesky L L^T, then one column of the inverse per thread.
+  const Matrix<T, Exec>& l = ws.scratch_for(n);
+  const int bad = cholesky_lower(exec, inv, l);
+  if (bad)
+    throw Error("", "Cholesky factorization broke down at column " + std::to_string(bad) +
                         ": factor + damping is not positive definite");
   Kokkos::parallel_for(
       "kfac::linalg::cholesky_inverse", Kokkos::RangePolicy<Exec>(exec, 0, n), KOKKOS_LAMBDA(int c) {
@@ -285,11 +399,19 @@ void spd_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& i
       });
 }
 
+/// The same with scratch memory for this call only.
+template <class Backend, class Exec, class F, class T>
+void spd_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& inv) {
+  SolverWorkspace<T, Exec> ws;
+  spd_inverse<Backend>(exec, f, shift, inv, ws);
+}
+
 /// Inverse of (upper triangle of f) + shift I by the Newton-Schulz iteration
 /// X <- X (2I - M X), started at X0 = I / ||M||_F. GEMM only, so it runs on any backend.
 template <class Exec, class F, class T>
 int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& x,
                           int max_iterations = 100, double tolerance = 0) {
+  require_square_pair("newton_schulz_inverse", f, x);
   const int n = int(f.extent(0));
   Matrix<T, Exec> m("kfac::ns::m", n, n), t("kfac::ns::t", n, n), y("kfac::ns::y", n, n);
   symmetric_copy(exec, f, m);

@@ -1,64 +1,148 @@
 #pragma once
-// cuSOLVER path of the symmetric eigensolver, compiled only when Kokkos has CUDA.
-// Not exercised on the CPU-only development machine; see docs/backends.md.
+// cuSOLVER paths of the symmetric eigensolver (syevd) and of the SPD inverse (potrf + potri),
+// compiled only when Kokkos has CUDA. Not run on the CPU-only development machine (compiled and
+// linked only); see docs/backends.md.
 #include <Kokkos_Core.hpp>
 #include <cusolverDn.h>
+#include <map>
+#include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "kfac/error.hpp"
 
 namespace kfac {
 namespace impl {
 
-inline cusolverDnHandle_t cusolver_handle() {
-  static thread_local cusolverDnHandle_t handle = [] {
+/// \brief cuSOLVER handles, one per execution-space instance (keyed by its stream, and bound
+/// to it), created on first use and all destroyed by a Kokkos finalize hook, so none outlives
+/// the CUDA context Kokkos tears down.
+class CusolverHandles {
+ public:
+  static cusolverDnHandle_t get(const Kokkos::Cuda& exec) {
+    CusolverHandles& self = instance();
+    const std::lock_guard<std::mutex> lock(self.mutex_);
+    const cudaStream_t stream = exec.cuda_stream();
+    const auto found = self.handles_.find(stream);
+    if (found != self.handles_.end()) return found->second;
     cusolverDnHandle_t h = nullptr;
-    if (cusolverDnCreate(&h) != CUSOLVER_STATUS_SUCCESS) throw Error("", "cusolverDnCreate failed");
+    if (cusolverDnCreate(&h) != CUSOLVER_STATUS_SUCCESS) throw Error("", "linalg: cusolverDnCreate failed");
+    if (cusolverDnSetStream(h, stream) != CUSOLVER_STATUS_SUCCESS) {
+      cusolverDnDestroy(h);
+      throw Error("", "linalg: cusolverDnSetStream failed");
+    }
+    if (!self.hooked_) {
+      Kokkos::push_finalize_hook([] { instance().destroy_all(); });
+      self.hooked_ = true;
+    }
+    self.handles_.emplace(stream, h);
     return h;
-  }();
-  return handle;
+  }
+  /// Handles alive now (for tests and diagnostics).
+  static std::size_t count() {
+    CusolverHandles& self = instance();
+    const std::lock_guard<std::mutex> lock(self.mutex_);
+    return self.handles_.size();
+  }
+
+ private:
+  static CusolverHandles& instance() {
+    static CusolverHandles registry;
+    return registry;
+  }
+  void destroy_all() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& kv : handles_) cusolverDnDestroy(kv.second);
+    handles_.clear();
+    hooked_ = false;
+  }
+  std::mutex mutex_;
+  std::map<cudaStream_t, cusolverDnHandle_t> handles_;
+  bool hooked_ = false;
+};
+
+inline cusolverStatus_t cusolver_syevd_buffer(cusolverDnHandle_t h, int n, double* a, int ld, double* w, int* lwork) {
+  return cusolverDnDsyevd_bufferSize(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld, w, lwork);
+}
+inline cusolverStatus_t cusolver_syevd_buffer(cusolverDnHandle_t h, int n, float* a, int ld, float* w, int* lwork) {
+  return cusolverDnSsyevd_bufferSize(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld, w, lwork);
+}
+inline cusolverStatus_t cusolver_syevd(cusolverDnHandle_t h, int n, double* a, int ld, double* w, double* work,
+                                       int lwork, int* info) {
+  return cusolverDnDsyevd(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld, w, work, lwork, info);
+}
+inline cusolverStatus_t cusolver_syevd(cusolverDnHandle_t h, int n, float* a, int ld, float* w, float* work,
+                                       int lwork, int* info) {
+  return cusolverDnSsyevd(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld, w, work, lwork, info);
+}
+/// potrf (factor) or potri (inverse from the factor), upper triangle: the workspace size.
+template <class T>
+cusolverStatus_t cusolver_pot_buffer(cusolverDnHandle_t h, bool inverse, int n, T* a, int ld, int* lwork) {
+  const cublasFillMode_t up = CUBLAS_FILL_MODE_UPPER;
+  if constexpr (std::is_same<T, double>::value)
+    return inverse ? cusolverDnDpotri_bufferSize(h, up, n, a, ld, lwork) : cusolverDnDpotrf_bufferSize(h, up, n, a, ld, lwork);
+  else
+    return inverse ? cusolverDnSpotri_bufferSize(h, up, n, a, ld, lwork) : cusolverDnSpotrf_bufferSize(h, up, n, a, ld, lwork);
+}
+/// potrf or potri, upper triangle, in place.
+template <class T>
+cusolverStatus_t cusolver_pot(cusolverDnHandle_t h, bool inverse, int n, T* a, int ld, T* work, int lwork, int* info) {
+  const cublasFillMode_t up = CUBLAS_FILL_MODE_UPPER;
+  if constexpr (std::is_same<T, double>::value)
+    return inverse ? cusolverDnDpotri(h, up, n, a, ld, work, lwork, info) : cusolverDnDpotrf(h, up, n, a, ld, work, lwork, info);
+  else
+    return inverse ? cusolverDnSpotri(h, up, n, a, ld, work, lwork, info) : cusolverDnSpotrf(h, up, n, a, ld, work, lwork, info);
 }
 
-inline cusolverStatus_t cusolver_syevd_buffer(cusolverDnHandle_t h, int n, double* a, int ld,
-                                              double* w, int* lwork) {
-  return cusolverDnDsyevd_bufferSize(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld,
-                                     w, lwork);
-}
-inline cusolverStatus_t cusolver_syevd_buffer(cusolverDnHandle_t h, int n, float* a, int ld,
-                                              float* w, int* lwork) {
-  return cusolverDnSsyevd_bufferSize(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld,
-                                     w, lwork);
-}
-inline cusolverStatus_t cusolver_syevd(cusolverDnHandle_t h, int n, double* a, int ld, double* w,
-                                       double* work, int lwork, int* info) {
-  return cusolverDnDsyevd(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld, w, work,
-                          lwork, info);
-}
-inline cusolverStatus_t cusolver_syevd(cusolverDnHandle_t h, int n, float* a, int ld, float* w,
-                                       float* work, int lwork, int* info) {
-  return cusolverDnSsyevd(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld, w, work,
-                          lwork, info);
+/// The info word cuSOLVER wrote on exec's stream.
+template <class Info>
+int cusolver_info(const Kokkos::Cuda& exec, const Info& info) {
+  auto h = Kokkos::create_mirror_view(info);
+  Kokkos::deep_copy(exec, h, info);
+  exec.fence();
+  return h();
 }
 
-/// In-place eigendecomposition of the symmetric matrix q (upper triangle read) on exec's stream.
-template <class Q, class W>
-void cusolver_eigh(const Kokkos::Cuda& exec, const Q& q, const W& w) {
-  using T = typename Q::non_const_value_type;
-  const int n = int(q.extent(0)), ld = int(q.stride(1));
-  cusolverDnHandle_t h = cusolver_handle();
-  cusolverDnSetStream(h, exec.cuda_stream());
+/// In-place eigendecomposition of the symmetric matrix q (upper triangle read) on exec's
+/// stream; `ws` (SolverWorkspace) keeps the device workspace between calls.
+template <class Q, class W, class Ws>
+void cusolver_eigh(const Kokkos::Cuda& exec, const Q& q, const W& w, Ws& ws) {
+  const int n = int(q.extent(0)), ld = n > 0 ? int(q.stride(1)) : 1;
+  cusolverDnHandle_t h = CusolverHandles::get(exec);
   int lwork = 0;
   if (cusolver_syevd_buffer(h, n, q.data(), ld, w.data(), &lwork) != CUSOLVER_STATUS_SUCCESS)
-    throw Error("", "cusolverDn syevd_bufferSize failed");
-  Kokkos::View<T*, Kokkos::CudaSpace> work("kfac::cusolver::work", lwork);
-  Kokkos::View<int, Kokkos::CudaSpace> info("kfac::cusolver::info");
-  if (cusolver_syevd(h, n, q.data(), ld, w.data(), work.data(), lwork, info.data()) !=
-      CUSOLVER_STATUS_SUCCESS)
-    throw Error("", "cusolverDn syevd failed to launch");
-  auto hinfo = Kokkos::create_mirror_view(info);
-  Kokkos::deep_copy(exec, hinfo, info);
-  exec.fence();
-  if (hinfo() != 0) throw Error("", "cusolverDn syevd failed with info = " + std::to_string(hinfo()));
+    throw Error("", "linalg: cusolverDn syevd_bufferSize failed");
+  auto* work = ws.work_for(std::size_t(lwork));
+  if (cusolver_syevd(h, n, q.data(), ld, w.data(), work, lwork, ws.info.data()) != CUSOLVER_STATUS_SUCCESS)
+    throw Error("", "linalg: cusolverDn syevd failed to launch");
+  const int info = cusolver_info(exec, ws.info);
+  if (info != 0) throw Error("", "linalg: cusolverDn syevd failed with info = " + std::to_string(info));
+}
+
+/// In-place inverse of the SPD matrix a (upper triangle read and written) by potrf + potri on
+/// exec's stream. Throws, like the LAPACK path, when a is not positive definite.
+template <class A, class Ws>
+void cusolver_spd_inverse_upper(const Kokkos::Cuda& exec, const A& a, Ws& ws) {
+  const int n = int(a.extent(0)), ld = n > 0 ? int(a.stride(1)) : 1;
+  cusolverDnHandle_t h = CusolverHandles::get(exec);
+  int lwork_f = 0, lwork_i = 0;
+  if (cusolver_pot_buffer(h, false, n, a.data(), ld, &lwork_f) != CUSOLVER_STATUS_SUCCESS ||
+      cusolver_pot_buffer(h, true, n, a.data(), ld, &lwork_i) != CUSOLVER_STATUS_SUCCESS)
+    throw Error("", "linalg: cusolverDn potrf/potri_bufferSize failed");
+  const int lwork = lwork_f > lwork_i ? lwork_f : lwork_i;
+  auto* work = ws.work_for(std::size_t(lwork));
+  if (cusolver_pot(h, false, n, a.data(), ld, work, lwork, ws.info.data()) != CUSOLVER_STATUS_SUCCESS)
+    throw Error("", "linalg: cusolverDn potrf failed to launch");
+  int info = cusolver_info(exec, ws.info);
+  if (info > 0)
+    throw Error("", "Cholesky factorization broke down at column " + std::to_string(info) +
+                        ": factor + damping is not positive definite");
+  if (info == 0) {
+    if (cusolver_pot(h, true, n, a.data(), ld, work, lwork, ws.info.data()) != CUSOLVER_STATUS_SUCCESS)
+      throw Error("", "linalg: cusolverDn potri failed to launch");
+    info = cusolver_info(exec, ws.info);
+  }
+  if (info != 0) throw Error("", "linalg: cusolverDn potrf/potri failed with info = " + std::to_string(info));
 }
 
 }  // namespace impl

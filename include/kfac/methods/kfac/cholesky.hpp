@@ -33,7 +33,8 @@ void apply_explicit_inverses(const Exec& exec, const Matrix<T, Exec>& inv_a,
 }
 }  // namespace impl
 
-/// \tparam Backend AutoBackend (LAPACK potrf/potri on the host) or PortableBackend.
+/// \tparam Backend AutoBackend (LAPACK potrf/potri on the host, cuSOLVER potrf/potri on CUDA)
+/// or PortableBackend (team-parallel Cholesky).
 /// No settings of its own.
 template <class Backend = AutoBackend>
 struct Cholesky {
@@ -48,9 +49,11 @@ struct Cholesky {
   template <class T, class Exec>
   struct Factorization : impl::ExplicitInverse<T, Exec> {
     using impl::ExplicitInverse<T, Exec>::ExplicitInverse;
+    /// The solver's scratch memory, reused by every decomposition of this factor.
+    impl::SolverWorkspace<T, Exec> workspace;
     template <class F>
     void compute(const Exec& exec, const F& factor, double damping, const Cholesky&, double = 0) {
-      impl::spd_inverse<Backend>(exec, factor, T(std::sqrt(damping)), this->inv);
+      impl::spd_inverse<Backend>(exec, factor, T(std::sqrt(damping)), this->inv, workspace);
     }
   };
 

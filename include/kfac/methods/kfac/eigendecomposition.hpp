@@ -44,6 +44,8 @@ struct Eigendecomposition {
   struct Factorization {
     impl::Matrix<T, Exec> q;
     impl::Vector<T, Exec> lambda;
+    /// The solver's scratch memory, reused by every decomposition of this factor.
+    impl::SolverWorkspace<T, Exec> workspace;
 
     explicit Factorization(index_t n = 0)
         : q(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::q"), n, n),
@@ -61,9 +63,9 @@ struct Eigendecomposition {
         impl::Matrix<T, Exec> shifted(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::shifted"), n, n);
         impl::symmetric_copy(exec, factor, shifted);
         impl::add_diagonal(exec, shifted, T(shift));
-        impl::eigh<Backend>(exec, shifted, q, lambda, settings.jacobi_sweeps);
+        impl::eigh<Backend>(exec, shifted, q, lambda, workspace, settings.jacobi_sweeps);
       } else {
-        impl::eigh<Backend>(exec, factor, q, lambda, settings.jacobi_sweeps);
+        impl::eigh<Backend>(exec, factor, q, lambda, workspace, settings.jacobi_sweeps);
       }
       auto l = lambda;
       const T s = T(shift);
