@@ -231,7 +231,7 @@ void load_transposed(const Exec& exec, const W& w, const B& b, const X& x, const
   using T = typename X::non_const_value_type;
   const int rows = int(w.extent(0)), cols = int(w.extent(1)), total = int(x.extent(0));
   const bool both = copy.extent(0) == x.extent(0) && copy.extent(1) == x.extent(1) && copy.data() != nullptr;
-  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible) {
+  if constexpr (host_accessible_v<Exec>) {
     Kokkos::parallel_for(
         "kfac::gradient::load", Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
           T* xi = &x(0, i);
@@ -260,7 +260,7 @@ void store_transposed(const Exec& exec, const X& x, double scale, const W& w, co
   using D = typename X::non_const_value_type;
   const int rows = int(w.extent(0)), cols = int(w.extent(1)), total = int(x.extent(0));
   const D s = D(scale);
-  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible) {
+  if constexpr (host_accessible_v<Exec>) {
     Kokkos::parallel_for(
         "kfac::gradient::store", Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
           const D* xi = &x(0, i);
