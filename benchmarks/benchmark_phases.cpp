@@ -31,6 +31,8 @@
 #include <thread>
 #include <vector>
 
+#include "bench_util.hpp"
+
 #if !defined(KFAC_HAVE_LAPACK)
 #error "benchmark_phases compares against bare BLAS/LAPACK: configure with KFAC_ENABLE_LAPACK=ON"
 #endif
@@ -101,16 +103,8 @@ class Laps {
   std::vector<double> ms_;
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-double minimum(const std::vector<double>& v) {
-  return v.empty() ? 0 : *std::min_element(v.begin(), v.end());
-}
+using bench::median;
+using bench::minimum;
 
 void fill_random(std::vector<double>& v, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> u(-1.0, 1.0);
@@ -498,16 +492,7 @@ void usage(const char* argv0) {
       argv0);
 }
 
-std::vector<std::string> split(const std::string& list) {
-  std::vector<std::string> items;
-  std::size_t start = 0;
-  while (start <= list.size()) {
-    const std::size_t comma = std::min(list.find(',', start), list.size());
-    items.push_back(list.substr(start, comma - start));
-    start = comma + 1;
-  }
-  return items;
-}
+using bench::split;
 
 bool parse_int(const char* s, int& out) {
   char* end = nullptr;

@@ -1,7 +1,8 @@
 /// \file step_cost.cpp
-/// \brief Per-step cost of each optimizer of the examples' trainer (SGD, Adam, K-FAC, NG-SGD) on
-/// the demo's MLP 784-256-256-10 or its CNN, measured in one run and printed as a ratio to the
-/// plain SGD step.
+/// \brief Per-step cost of each optimizer of the examples' trainer (SGD, Adam, K-FAC, NG-SGD),
+/// measured in one run and printed as a ratio to the plain SGD step, and where K-FAC's time goes:
+/// its phases and its overhead over forward + backward, for any number of K-FAC configurations
+/// (inverse x decomposition interval) side by side.
 ///
 /// A step is what the demo times: forward, loss, backward, the optimizer (with its
 /// preconditioner). All trainers start from the same weights and step through the same batches,
@@ -10,10 +11,17 @@
 /// statistics updates every `--factor-every`/`--ngsgd-period` steps, decompositions every
 /// `--inv-every`) over the timed steps after the warm-up steps.
 ///
-/// Usage: bench_step_cost [--model mlp|cnn] [--batch 256] [--steps 200] [--warmup 20]
-///                        [--optimizers sgd,ngsgd,kfac,adam] [--threads 1] [--data DIR]
-///                        [--ngsgd-rank R] [--ngsgd-period N] [--factor-every N] [--inv-every N]
-///                        [--clock wall|cpu]
+/// Usage: bench_step_cost [--model mlp|cnn|peer-mlp|peer-cnn] [--batch 256] [--steps 200]
+///                        [--warmup 20] [--optimizers sgd,ngsgd,kfac,adam] [--threads 1]
+///                        [--data DIR] [--ngsgd-rank R] [--ngsgd-period N] [--factor-every N]
+///                        [--inv-every N] [--kfac-configs eigen/1,cholesky/10,...]
+///                        [--lr X] [--damping X] [--kl-clip X] [--decay X] [--clock wall|cpu]
+/// `--kfac-configs` replaces the one K-FAC trainer by one per item `inverse/interval` (inverse
+/// eigen or cholesky, a decomposition every `interval` steps) and prints the phase table:
+/// observe (the observe_* and set_gradient calls), factor update, decomposition, precondition,
+/// KL clip (with the write-back), the rest of step() (checks), the K-FAC overhead (all of it)
+/// and forward + backward (the step without the overhead), each as median and amortized mean
+/// per step, timed through the Kokkos Tools regions of kfac and of the examples' glue.
 /// `--clock cpu` times each step by the calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID)
 /// instead of the wall clock: with one BLAS thread that is the step's whole cost, and it is not
 /// inflated when other processes share the cores (cache sharing still is).
@@ -25,10 +33,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "common/dataset.hpp"
 #include "common/rng.hpp"
 #include "common/trainer.hpp"
@@ -44,6 +54,9 @@ struct Args {
                                             nn::OptimizerKind::kfac, nn::OptimizerKind::adam};
   long ngsgd_rank = -1, ngsgd_period = 4;
   int factor_every = 0, inv_every = 0;
+  /// K-FAC configurations (inverse, decomposition interval); empty: one, from the settings above.
+  std::vector<std::pair<std::string, int>> kfac_configs;
+  double lr = 0, damping = 0, kl_clip = -1, decay = -1;  // 0 / -1: the demo's
   bool cpu_clock = false;
 };
 
@@ -68,20 +81,29 @@ Args parse(int argc, char** argv) {
     else if (key == "--ngsgd-period") a.ngsgd_period = std::atol(v.c_str());
     else if (key == "--factor-every") a.factor_every = std::atoi(v.c_str());
     else if (key == "--inv-every") a.inv_every = std::atoi(v.c_str());
+    else if (key == "--lr") a.lr = std::atof(v.c_str());
+    else if (key == "--damping") a.damping = std::atof(v.c_str());
+    else if (key == "--kl-clip") a.kl_clip = std::atof(v.c_str());
+    else if (key == "--decay") a.decay = std::atof(v.c_str());
+    else if (key == "--kfac-configs") {
+      for (const std::string& item : bench::split(v)) {
+        const auto parts = bench::split(item, '/');
+        if (parts.size() != 2 || (parts[0] != "eigen" && parts[0] != "cholesky") || std::atoi(parts[1].c_str()) < 1)
+          usage(("--kfac-configs: expected eigen/N or cholesky/N, got " + item).c_str());
+        a.kfac_configs.emplace_back(parts[0], std::atoi(parts[1].c_str()));
+      }
+    }
     else if (key == "--clock") {
       if (v != "wall" && v != "cpu") usage("--clock must be wall or cpu");
       a.cpu_clock = v == "cpu";
     }
     else if (key == "--optimizers") {
       a.optimizers.clear();
-      for (std::size_t b = 0; b <= v.size();) {
-        const std::size_t e = std::min(v.find(',', b), v.size());
-        a.optimizers.push_back(nn::parse_optimizer(v.substr(b, e - b)));
-        b = e + 1;
-      }
+      for (const std::string& item : bench::split(v)) a.optimizers.push_back(nn::parse_optimizer(item));
     } else usage(("unknown option " + key).c_str());
   }
-  if (a.model != "mlp" && a.model != "cnn") usage("--model must be mlp or cnn");
+  if (a.model != "mlp" && a.model != "cnn" && a.model != "peer-mlp" && a.model != "peer-cnn")
+    usage("--model must be mlp, cnn, peer-mlp or peer-cnn");
   if (a.batch < 1 || a.steps < 1 || a.warmup < 0) usage("--batch and --steps must be >= 1, --warmup >= 0");
   return a;
 }
@@ -95,25 +117,46 @@ nn::Dataset random_images(int n, std::uint64_t seed) {
   return nn::make_dataset(pixels, labels, 1, 28, 28, 10);
 }
 
-/// Milliseconds of the wall clock, or of this thread's CPU time.
-double now_ms(bool cpu) {
-  if (!cpu) return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return double(t.tv_sec) * 1e3 + double(t.tv_nsec) * 1e-6;
+/// Times the Kokkos Tools regions named "kfac::..." for the trainer that is stepping.
+struct RegionClock {
+  bool cpu = false;
+  bool active = false;                               // inside a timed step
+  std::vector<std::pair<std::string, double>> open;  // name, start
+  std::map<std::string, double> step_ms;             // this step's time per region
+
+  static RegionClock& get() {
+    static RegionClock c;
+    return c;
+  }
+  static void push(const char* name) { get().open.emplace_back(name, bench::now_ms(get().cpu)); }
+  static void pop() {
+    RegionClock& c = get();
+    if (c.open.empty()) return;
+    const auto [name, t0] = c.open.back();
+    c.open.pop_back();
+    if (c.active && name.rfind("kfac::", 0) == 0) c.step_ms[name] += bench::now_ms(c.cpu) - t0;
+  }
+};
+
+/// The phase columns of the table, and the region each one times.
+struct Phase {
+  const char *label, *region;
+};
+const std::vector<Phase>& phases() {
+  static const std::vector<Phase> p{{"observe", "kfac::examples::observe"},
+                                    {"factor update", "kfac::step::statistics"},
+                                    {"decomposition", "kfac::step::decompose"},
+                                    {"precondition", "kfac::step::precondition"},
+                                    {"KL clip", "kfac::step::kl_clip"}};
+  return p;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double mean(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
-  return s / double(v.size());
-}
+struct Series {
+  std::string label;
+  bool kfac = false;
+  std::vector<double> step;                       // the whole step
+  std::map<std::string, std::vector<double>> ms;  // per table column
+};
 
 int run(const Args& a) {
   if (a.threads > 0 && openblas_set_num_threads) openblas_set_num_threads(a.threads);
@@ -133,43 +176,100 @@ int run(const Args& a) {
               real ? "Fashion-MNIST batches" : "random images", a.cpu_clock ? "thread CPU" : "wall");
 
   std::vector<std::unique_ptr<nn::Trainer>> trainers;
-  for (nn::OptimizerKind k : a.optimizers) {
+  std::vector<Series> series;
+  auto add = [&](nn::OptimizerKind k, const std::string& inverse, int inv_every) {
     nn::TrainSettings s;
     s.model = a.model;
     s.optimizer = k;
     s.batch = a.batch;
+    s.lr = a.lr;
     s.kfac = nn::default_kfac(a.model);
     if (a.factor_every > 0) s.kfac.factor_update_steps = a.factor_every;
     if (a.inv_every > 0) s.kfac.inv_update_steps = a.inv_every;
+    if (inv_every > 0) s.kfac.inv_update_steps = inv_every;
+    if (!inverse.empty()) s.kfac.inverse = inverse;
+    if (a.damping > 0) s.kfac.damping = a.damping;
+    if (a.kl_clip >= 0) s.kfac.kl_clip = a.kl_clip;
+    if (a.decay >= 0) s.kfac.factor_decay = a.decay;
     s.ngsgd.rank = a.ngsgd_rank;
     s.ngsgd.update_period = a.ngsgd_period;
     trainers.push_back(std::make_unique<nn::Trainer>(train, s));
+    Series r;
+    r.kfac = k == nn::OptimizerKind::kfac;
+    r.label = r.kfac ? s.kfac.inverse + "/" + std::to_string(s.kfac.inv_update_steps) : nn::to_string(k);
+    series.push_back(std::move(r));
+  };
+  for (nn::OptimizerKind k : a.optimizers) {
+    if (k != nn::OptimizerKind::kfac || a.kfac_configs.empty()) add(k, "", 0);
+    else
+      for (const auto& [inverse, every] : a.kfac_configs) add(k, inverse, every);
   }
+
+  RegionClock& clock = RegionClock::get();
+  clock.cpu = a.cpu_clock;
+  Kokkos::Tools::Experimental::set_push_region_callback(&RegionClock::push);
+  Kokkos::Tools::Experimental::set_pop_region_callback(&RegionClock::pop);
   const std::size_t n = trainers.size();
-  std::vector<std::vector<double>> ms(n);
   const int per_epoch = trainers[0]->steps_per_epoch();
   for (int t = 0; t < a.warmup + a.steps; ++t) {
     const int epoch = t / per_epoch, step = t % per_epoch;
     for (std::size_t j = 0; j < n; ++j) {
       const std::size_t i = (j + std::size_t(t)) % n;  // rotate who goes first
       if (step == 0) trainers[i]->start_epoch(epoch);
-      const double t0 = now_ms(a.cpu_clock);
+      clock.step_ms.clear();
+      clock.active = true;
+      const double t0 = bench::now_ms(a.cpu_clock);
       trainers[i]->step(step);
-      const double t1 = now_ms(a.cpu_clock);
-      if (t >= a.warmup) ms[i].push_back(t1 - t0);
+      const double t1 = bench::now_ms(a.cpu_clock);
+      clock.active = false;
+      if (t < a.warmup) continue;
+      Series& r = series[i];
+      r.step.push_back(t1 - t0);
+      if (!r.kfac) continue;
+      const double overhead = clock.step_ms["kfac::examples::kfac"];
+      double phased = 0;
+      for (const Phase& p : phases()) {
+        const double v = clock.step_ms[p.region];
+        r.ms[p.label].push_back(v);
+        phased += v;
+      }
+      r.ms["other"].push_back(overhead - phased);
+      r.ms["K-FAC overhead"].push_back(overhead);
+      r.ms["forward + backward"].push_back(t1 - t0 - overhead);
     }
   }
+  Kokkos::Tools::Experimental::set_push_region_callback(nullptr);
+  Kokkos::Tools::Experimental::set_pop_region_callback(nullptr);
+
   std::size_t sgd = n;
   for (std::size_t i = 0; i < n; ++i)
-    if (a.optimizers[i] == nn::OptimizerKind::sgd) sgd = i;
-  std::printf("%-8s %12s %12s %14s %14s\n", "method", "median ms", "mean ms", "median / sgd", "mean / sgd");
-  for (std::size_t i = 0; i < n; ++i) {
-    const double med = median(ms[i]), avg = mean(ms[i]);
+    if (series[i].label == "sgd") sgd = i;
+  std::printf("%-16s %12s %12s %14s %14s\n", "method", "median ms", "mean ms", "median / sgd", "mean / sgd");
+  for (const Series& r : series) {
+    const double med = bench::median(r.step), avg = bench::mean(r.step);
     if (sgd < n)
-      std::printf("%-8s %12.3f %12.3f %14.3f %14.3f\n", nn::to_string(a.optimizers[i]), med, avg,
-                  med / median(ms[sgd]), avg / mean(ms[sgd]));
+      std::printf("%-16s %12.3f %12.3f %14.3f %14.3f\n", r.label.c_str(), med, avg,
+                  med / bench::median(series[sgd].step), avg / bench::mean(series[sgd].step));
     else
-      std::printf("%-8s %12.3f %12.3f %14s %14s\n", nn::to_string(a.optimizers[i]), med, avg, "-", "-");
+      std::printf("%-16s %12.3f %12.3f %14s %14s\n", r.label.c_str(), med, avg, "-", "-");
+  }
+
+  bool any_kfac = false;
+  for (const Series& r : series) any_kfac = any_kfac || r.kfac;
+  if (!any_kfac) return 0;
+  std::vector<std::string> columns;
+  for (const Phase& p : phases()) columns.push_back(p.label);
+  for (const char* c : {"other", "K-FAC overhead", "forward + backward"}) columns.push_back(c);
+  std::printf("\nK-FAC per step, ms, median / amortized mean over the timed steps:\n\n| config |");
+  for (const auto& c : columns) std::printf(" %s |", c.c_str());
+  std::printf(" overhead / (fwd + bwd) |\n|---|");
+  for (std::size_t c = 0; c <= columns.size(); ++c) std::printf("---:|");
+  std::printf("\n");
+  for (Series& r : series) {
+    if (!r.kfac) continue;
+    std::printf("| %s |", r.label.c_str());
+    for (const auto& c : columns) std::printf(" %.1f / %.1f |", bench::median(r.ms[c]), bench::mean(r.ms[c]));
+    std::printf(" %.2f |\n", bench::mean(r.ms["K-FAC overhead"]) / bench::mean(r.ms["forward + backward"]));
   }
   return 0;
 }

@@ -104,8 +104,13 @@ class KfacSgd {
 
   /// \brief After forward and backward (and gradient averaging): hand kfac the observations and
   /// gradients, let it precondition the gradients in place, then take the SGD step with them.
+  /// The Kokkos Tools regions "kfac::examples::kfac" (everything kfac does in the step) and
+  /// "kfac::examples::observe" (the observe_* and set_gradient calls) let bench_step_cost time
+  /// them; the library's own regions name the phases of step().
   void step(Network& net) {
+    Kokkos::Profiling::pushRegion("kfac::examples::kfac");
     with_preconditioner([&](auto& pre) { precondition(net, pre); });
+    Kokkos::Profiling::popRegion();
     sgd_.step();
   }
 
@@ -152,6 +157,7 @@ class KfacSgd {
   template <class Pre>
   static void precondition(Network& net, Pre& pre) {
     const bool observe = pre.wants_observations();
+    Kokkos::Profiling::pushRegion("kfac::examples::observe");
     net.for_each_layer([&](const std::string& name, const auto& layer) {
       using L = std::decay_t<decltype(layer)>;
       if constexpr (std::is_same_v<L, Dense> || std::is_same_v<L, Conv2d>) {
@@ -168,6 +174,7 @@ class KfacSgd {
         pre.set_gradient(name, layer.gamma_grad(), layer.beta_grad());
       }
     });
+    Kokkos::Profiling::popRegion();
     pre.step();
   }
 

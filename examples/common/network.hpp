@@ -105,10 +105,41 @@ inline Network make_cnn(std::uint64_t seed) {
   return net;
 }
 
+/// \brief The MLP of the kfac-pytorch comparison (issue 15): 784-1024-1024-10 with ReLU.
+inline Network make_peer_mlp(std::uint64_t seed) {
+  SplitMix64 rng(derive_seed(seed, 1));
+  Network net;
+  net.add("flatten", Flatten());
+  net.add("fc1", Dense(784, 1024, true, Init::he, rng));
+  net.add("relu1", ReLU());
+  net.add("fc2", Dense(1024, 1024, true, Init::he, rng));
+  net.add("relu2", ReLU());
+  net.add("fc3", Dense(1024, 10, true, Init::lecun, rng));
+  return net;
+}
+
+/// \brief The CNN of the kfac-pytorch comparison (issue 15), without BatchNorm or padding:
+/// conv(1->32,3x3)-ReLU-pool-conv(32->64,3x3)-ReLU-pool-dense(64*5*5->10), biases everywhere.
+inline Network make_peer_cnn(std::uint64_t seed) {
+  SplitMix64 rng(derive_seed(seed, 1));
+  Network net;
+  net.add("conv1", Conv2d(Conv2dShape{1, 32, 3, 3}, Init::he, rng));
+  net.add("relu1", ReLU());
+  net.add("pool1", MaxPool2d());
+  net.add("conv2", Conv2d(Conv2dShape{32, 64, 3, 3}, Init::he, rng));
+  net.add("relu2", ReLU());
+  net.add("pool2", MaxPool2d());
+  net.add("flatten", Flatten());
+  net.add("fc", Dense(64 * 5 * 5, 10, true, Init::lecun, rng));
+  return net;
+}
+
 inline Network make_model(const std::string& name, std::uint64_t seed) {
   if (name == "mlp") return make_mlp(seed);
   if (name == "cnn") return make_cnn(seed);
-  throw std::invalid_argument("unknown model '" + name + "' (expected mlp or cnn)");
+  if (name == "peer-mlp") return make_peer_mlp(seed);
+  if (name == "peer-cnn") return make_peer_cnn(seed);
+  throw std::invalid_argument("unknown model '" + name + "' (expected mlp, cnn, peer-mlp or peer-cnn)");
 }
 
 }  // namespace nn

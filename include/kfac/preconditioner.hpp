@@ -171,13 +171,7 @@ class Preconditioner {
     damping_retries_ += retries;
     phases.commit(step_, last_factor_step_, last_inv_step_);
     phases.precondition();
-    // Every rank holds every V now, so every rank computes the same KL-clip scale.
-    double vg = 0;  // only KL clipping needs it
-    for (auto& e : reg_.entries()) if (!e.skipped && v.kl_clip > 0) vg += e.block->inner_product(exec_);
-    last_nu_ = 1.0;
-    if (v.kl_clip > 0 && vg != 0) last_nu_ = std::min(1.0, std::sqrt(v.kl_clip / std::abs(vg * v.lr * v.lr)));
-    for (auto& e : reg_.entries()) if (!e.skipped) e.block->write_back(exec_, e.w, e.b, last_nu_);
-    exec_.fence();
+    last_nu_ = phases.clip_and_write_back(v.kl_clip, v.lr);
     for (auto& e : reg_.entries()) e.clear_gradient();
     ++step_;
   }

@@ -4,6 +4,8 @@
 /// state: statistics update and averaging, decompositions (atomic: a failure on any rank puts
 /// every rank back where it was), preconditioning. See docs/design.md for the data flow.
 
+#include <algorithm>
+#include <cmath>
 #include <exception>
 #include <optional>
 #include <string>
@@ -14,6 +16,7 @@
 #include "kfac/distributed/comm_precision.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/error.hpp"
+#include "kfac/impl/profiling.hpp"
 
 namespace kfac {
 namespace impl {
@@ -44,6 +47,7 @@ class StepPhases {
   /// Updates the due layers' statistics and averages them over the replica group. When the
   /// step also decomposes, the old statistics are kept first, for a rollback.
   void update_statistics() {
+    const ScopedRegion region("kfac::step::statistics");
     bool decomposes = false;
     for (const auto& d : due_) decomposes = decomposes || d.inv;
     std::vector<FactorBuffer> averaged;
@@ -74,6 +78,7 @@ class StepPhases {
     bool any = false;
     for (std::size_t l = 0; l < reg_.size(); ++l) any = any || needs(l);
     if (!any) return 0;
+    const ScopedRegion region("kfac::step::decompose");
     std::optional<Error> failed;
     long failed_layer = 0, retries = 0;  // failed_layer is 1-based, 0 = none
     for (std::size_t l = 0; l < reg_.size() && !failed; ++l) {
@@ -139,10 +144,25 @@ class StepPhases {
     }
   }
 
+  /// Scales every V by the KL-clip factor \f$\nu = \min(1, \sqrt{\kappa / |\eta^2 \langle V, X\rangle|})\f$
+  /// (1 without clipping), writes it into the caller's gradients and returns \f$\nu\f$. Every
+  /// rank holds every V by now, so every rank computes the same scale.
+  double clip_and_write_back(double kl_clip, double lr) {
+    const ScopedRegion region("kfac::step::kl_clip");
+    double vg = 0;  // only KL clipping needs it
+    for (auto& e : reg_.entries()) if (!e.skipped && kl_clip > 0) vg += e.block->inner_product(exec_);
+    double nu = 1.0;
+    if (kl_clip > 0 && vg != 0) nu = std::min(1.0, std::sqrt(kl_clip / std::abs(vg * lr * lr)));
+    for (auto& e : reg_.entries()) if (!e.skipped) e.block->write_back(exec_, e.w, e.b, nu);
+    exec_.fence();
+    return nu;
+  }
+
   /// Holders precondition their layers; receivers get V from their group's holder. Every rank
   /// first preconditions all of its own layers and only then takes part in the broadcasts, so
   /// that under MEM-OPT/HYBRID the ranks' GEMMs overlap instead of taking turns.
   void precondition() {
+    const ScopedRegion region("kfac::step::precondition");
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       auto& e = reg_[l];
       if (e.skipped) continue;
