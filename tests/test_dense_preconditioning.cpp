@@ -11,15 +11,24 @@ namespace {
 template <class Scalar>
 using V2 = Kokkos::View<Scalar**, Kokkos::LayoutRight, Kokkos::HostSpace>;
 
-/// Runs one K-FAC step on a random dense layer and returns (A, G, X, V) in double.
+/// The damping form of the reference: \f$(G \otimes A + \gamma I)^{-1}\f$, or factored,
+/// \f$(G + \sqrt{\gamma}/\pi)^{-1} X (A + \pi\sqrt{\gamma})^{-1}\f$ with \f$\pi = 1\f$ or
+/// \f$\pi\f$ from the traces (Martens & Grosse 2015, §6.3).
+enum class Damping { kronecker, factored, pi };
+
+/// Runs one K-FAC step on a random dense layer (output gradients times `g_scale`) and compares
+/// the preconditioned gradient with the dense formula in double.
 template <class Scalar, class Factor, class Inverse, class Prec>
-void check_dense(int in, int out, bool bias, int batch, double damping, double tol, bool kron_damping) {
+void check_dense(int in, int out, bool bias, int batch, double damping, double tol, Damping form,
+                 const Inverse& inverse = Inverse{}, double g_scale = 1.0) {
   Rng rng(42 + in * 7 + out);
   kfac::Preconditioner<Scalar, Kokkos::DefaultHostExecutionSpace> pre(
       kfac::Options{}.with_damping(damping).with_kl_clip(0.0).with_loss_reduction(kfac::LossReduction::sum));
-  pre.template register_layer<kfac::Dense, Factor, Inverse, Prec>("fc", kfac::Dense(in, out, bias));
+  pre.register_layer("fc", kfac::Dense(in, out, bias), kfac::KFAC<Factor, Inverse, Prec>(inverse));
   auto x = random_view<Scalar>(batch, in, rng);
   auto g = random_view<Scalar>(batch, out, rng);
+  for (int r = 0; r < batch; ++r)
+    for (int c = 0; c < out; ++c) g(r, c) = Scalar(g_scale * double(g(r, c)));
   auto w = random_view<Scalar>(out, in, rng);
   auto b = random_vector<Scalar>(out, rng);
   // Reference factors from the definition.
@@ -39,12 +48,13 @@ void check_dense(int in, int out, bool bias, int batch, double damping, double t
   pre.step();
 
   MatrixXd expect;
-  if (kron_damping) {
+  if (form == Damping::kronecker) {
     expect = dense_kronecker_solve(a, gg, grad, damping);
   } else {
+    const double pi = form == Damping::pi ? std::sqrt((a.trace() / double(a.rows())) / (gg.trace() / double(gg.rows()))) : 1.0;
     const double s = std::sqrt(damping);
-    const MatrixXd ia = (a + s * MatrixXd::Identity(a.rows(), a.cols())).inverse();
-    const MatrixXd ig = (gg + s * MatrixXd::Identity(gg.rows(), gg.cols())).inverse();
+    const MatrixXd ia = (a + pi * s * MatrixXd::Identity(a.rows(), a.cols())).inverse();
+    const MatrixXd ig = (gg + s / pi * MatrixXd::Identity(gg.rows(), gg.cols())).inverse();
     expect = ig * grad * ia;
   }
   MatrixXd got(out, in + (bias ? 1 : 0));
@@ -59,26 +69,58 @@ void check_dense(int in, int out, bool bias, int batch, double damping, double t
 TEST_CASE("eigen method equals the dense Kronecker solve", "[inverse][eigen]") {
   using P = kfac::DoublePrecision;
   SECTION("double, LAPACK") {
-    check_dense<double, kfac::Symmetric, kfac::Eigendecomposition<>, P>(7, 5, true, 16, 1e-3, 1e-10, true);
-    check_dense<double, kfac::Full, kfac::Eigendecomposition<>, P>(9, 4, false, 6, 1e-2, 1e-10, true);
+    check_dense<double, kfac::Symmetric, kfac::Eigendecomposition<>, P>(7, 5, true, 16, 1e-3, 1e-10, Damping::kronecker);
+    check_dense<double, kfac::Full, kfac::Eigendecomposition<>, P>(9, 4, false, 6, 1e-2, 1e-10, Damping::kronecker);
   }
   SECTION("double, portable Jacobi") {
-    check_dense<double, kfac::Symmetric, kfac::Eigendecomposition<kfac::PortableBackend>, P>(7, 5, true, 16, 1e-3, 1e-10, true);
+    check_dense<double, kfac::Symmetric, kfac::Eigendecomposition<kfac::PortableBackend>, P>(7, 5, true, 16, 1e-3, 1e-10, Damping::kronecker);
   }
   SECTION("float") {
-    check_dense<float, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, true);
-    check_dense<float, kfac::Symmetric, kfac::Eigendecomposition<kfac::PortableBackend>, kfac::SinglePrecision>(6, 5, true, 32, 1e-2, 1e-4, true);
-    check_dense<float, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::MixedPrecision>(7, 5, true, 32, 1e-3, 1e-4, true);
+    check_dense<float, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, Damping::kronecker);
+    check_dense<float, kfac::Symmetric, kfac::Eigendecomposition<kfac::PortableBackend>, kfac::SinglePrecision>(6, 5, true, 32, 1e-2, 1e-4, Damping::kronecker);
+    check_dense<float, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::MixedPrecision>(7, 5, true, 32, 1e-3, 1e-4, Damping::kronecker);
   }
 }
 
-TEST_CASE("Cholesky and Newton-Schulz equal the factored damped inverse", "[inverse][cholesky][newton_schulz]") {
+TEST_CASE("Cholesky and Newton-Schulz equal the pi-damped inverse", "[inverse][cholesky][newton_schulz][pi]") {
   using P = kfac::DoublePrecision;
-  check_dense<double, kfac::Symmetric, kfac::Cholesky<>, P>(7, 5, true, 16, 1e-3, 1e-10, false);
-  check_dense<double, kfac::Symmetric, kfac::Cholesky<kfac::PortableBackend>, P>(7, 5, true, 16, 1e-3, 1e-10, false);
-  check_dense<double, kfac::Full, kfac::NewtonSchulz, P>(7, 5, true, 16, 1e-3, 1e-10, false);
-  check_dense<float, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, false);
-  check_dense<float, kfac::Symmetric, kfac::NewtonSchulz, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, false);
+  using Chol = kfac::Cholesky<>;
+  using Portable = kfac::Cholesky<kfac::PortableBackend>;
+  const Damping pi = Damping::pi;
+  SECTION("pi-damping (the default)") {
+    check_dense<double, kfac::Symmetric, Chol, P>(7, 5, true, 16, 1e-3, 1e-10, pi);
+    check_dense<double, kfac::Symmetric, Portable, P>(7, 5, true, 16, 1e-3, 1e-10, pi);
+    check_dense<double, kfac::Full, kfac::NewtonSchulz, P>(7, 5, true, 16, 1e-3, 1e-10, pi);
+    check_dense<float, kfac::Symmetric, Chol, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, pi);
+    check_dense<float, kfac::Symmetric, kfac::NewtonSchulz, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, pi);
+  }
+  SECTION("pi far from 1: output gradients 100x smaller than the inputs") {
+    // pi ~ 100 here, so a damping with pi = 1 misses the reference by far more than the tolerance.
+    check_dense<double, kfac::Symmetric, Chol, P>(7, 5, true, 16, 1e-2, 1e-10, pi, Chol{}, 1e-2);
+    check_dense<double, kfac::Full, kfac::NewtonSchulz, P>(7, 5, true, 16, 1e-2, 1e-10, pi, kfac::NewtonSchulz{}, 1e-2);
+    check_dense<float, kfac::Symmetric, Chol, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, pi, Chol{}, 1e-2);
+  }
+  SECTION("with_pi_damping(false): kfac 0.1's pi = 1") {
+    const Damping one = Damping::factored;
+    check_dense<double, kfac::Symmetric, Chol, P>(7, 5, true, 16, 1e-2, 1e-10, one, Chol{}.with_pi_damping(false), 1e-2);
+    check_dense<double, kfac::Symmetric, Portable, P>(7, 5, true, 16, 1e-3, 1e-10, one, Portable{}.with_pi_damping(false));
+    check_dense<double, kfac::Full, kfac::NewtonSchulz, P>(7, 5, true, 16, 1e-2, 1e-10, one,
+                                                           kfac::NewtonSchulz{}.with_pi_damping(false), 1e-2);
+    check_dense<float, kfac::Symmetric, Chol, kfac::SinglePrecision>(7, 5, true, 32, 1e-2, 1e-4, one,
+                                                                     Chol{}.with_pi_damping(false));
+  }
+}
+
+TEST_CASE("pi-damping: pi from the traces, 1 for a zero or non-finite ratio", "[inverse][pi]") {
+  CHECK(kfac::impl::pi_from_traces(8.0, 2, 1.0, 2) == Approx(std::sqrt(8.0)));
+  CHECK(kfac::impl::pi_from_traces(6.0, 3, 8.0, 4) == 1.0);
+  CHECK(kfac::impl::pi_from_traces(0.0, 3, 8.0, 4) == 1.0);
+  CHECK(kfac::impl::pi_from_traces(1.0, 3, 0.0, 4) == 1.0);
+  CHECK(kfac::Cholesky<>{}.settings() == "pi");
+  CHECK(kfac::Cholesky<>{}.with_pi_damping(false).settings().empty());
+  CHECK(kfac::NewtonSchulz{}.settings() == "pi");
+  CHECK(kfac::NewtonSchulz{}.with_pi_damping(false).settings().empty());
+  CHECK(kfac::NewtonSchulz{}.with_max_iterations(50).settings() == "it=50,tol=0.000000,pi");
 }
 
 TEST_CASE("symmetric factors expose their packed upper triangle", "[factor][symmetric]") {

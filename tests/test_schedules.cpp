@@ -161,7 +161,10 @@ TEST_CASE("damping as a function of the step is used at the right step", "[sched
   Pre eig(options(false)), pre_rec(options(true)), chol(options(false)), diag(options(false));
   eig.register_layer<kfac::Dense>("fc", kfac::Dense(3, 2));
   pre_rec.register_layer<kfac::Dense>("fc", kfac::Dense(3, 2));
-  chol.register_layer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>>("fc", kfac::Dense(3, 2));
+  // pi = 1 (kfac 0.1's damping), the form the reference below spells out.
+  chol.register_layer("fc", kfac::Dense(3, 2),
+                      kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>, kfac::Precision<double>>(
+                          kfac::Cholesky<>{}.with_pi_damping(false)));
   diag.register_layer<kfac::Dense, kfac::Diagonal>("fc", kfac::Dense(3, 2));
   Rng rng(23);
   MatrixXd a, g, a_dec, g_dec;

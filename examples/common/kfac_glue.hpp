@@ -38,6 +38,7 @@ namespace nn {
 /// | long | factor_update_steps | steps between factor updates | 10 |
 /// | long | inv_update_steps | steps between decompositions | 100 |
 /// | string | inverse | "eigen" (kfac::Eigendecomposition) or "cholesky" (damped inverses) | eigen |
+/// | bool | pi_damping | Cholesky's π-damping (kfac::Cholesky::with_pi_damping); off: π = 1, the form the sweeps tuned | false |
 ///
 /// These are the CNN's settings; nn::default_kfac(model) gives each model's (docs/fashion_mnist.md
 /// has the sweeps behind them). Damping 1e-3 let momentum SGD diverge on the MLP. Updating
@@ -52,6 +53,7 @@ struct KfacSettings {
   long factor_update_steps = 10;
   long inv_update_steps = 100;
   std::string inverse = "eigen";
+  bool pi_damping = false;
   /// KAISA's gradient-worker fraction under MPI (kfac::Options::with_grad_worker_fraction):
   /// 1 = COMM-OPT (every rank preconditions every layer), 1/world = MEM-OPT; 0 picks it from
   /// `strategy` and the world size.
@@ -84,6 +86,13 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_loss_reduction(kfac::LossReduction::mean);
 }
 
+/// \brief What register_layer<L, Symmetric, Cholesky<>> registers for the examples' float
+/// preconditioners, with KfacSettings::pi_damping.
+inline auto cholesky_method(bool pi_damping) {
+  return kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>, kfac::Precision<float>>(
+      kfac::Cholesky<>{}.with_pi_damping(pi_damping));
+}
+
 class KfacSgd {
  public:
   /// \param world [in] one process, or the ranks whose factors are averaged (MPI)
@@ -99,7 +108,7 @@ class KfacSgd {
     if (world.size() > 1 && !mpi_) throw std::runtime_error("data-parallel K-FAC needs kfac built with MPI");
     if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options);
     const bool cholesky = s.inverse == "cholesky";
-    with_preconditioner([&](auto& pre) { register_layers(net, pre, cholesky); });
+    with_preconditioner([&](auto& pre) { register_layers(net, pre, cholesky, s.pi_damping); });
   }
 
   /// \brief After forward and backward (and gradient averaging): hand kfac the observations and
@@ -132,10 +141,10 @@ class KfacSgd {
   }
 
   template <class Pre>
-  static void register_layers(Network& net, Pre& pre, bool cholesky) {
+  static void register_layers(Network& net, Pre& pre, bool cholesky, bool pi_damping) {
     auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
       using K = std::decay_t<decltype(kfac_layer)>;
-      if (cholesky) pre.template register_layer<K, kfac::Symmetric, kfac::Cholesky<>>(name, kfac_layer);
+      if (cholesky) pre.register_layer(name, kfac_layer, cholesky_method(pi_damping));
       else pre.template register_layer<K>(name, kfac_layer);
     };
     net.for_each_layer([&](const std::string& name, const auto& layer) {

@@ -90,7 +90,8 @@ class MlpStage {
     pre_ = std::make_unique<Preconditioner>(kfac_options(s));
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       const kfac::Dense d(layers_[i].in, layers_[i].out, true);
-      if (s.inverse == "cholesky") pre_->register_layer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>>(name(i), d);
+      if (s.inverse == "cholesky")
+        pre_->register_layer(name(i), d, cholesky_method(s.pi_damping));
       else pre_->register_layer(name(i), d);
     }
   }

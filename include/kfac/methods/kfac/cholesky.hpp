@@ -2,9 +2,14 @@
 /// \file cholesky.hpp
 /// \brief Damped explicit inverses by Cholesky factorization.
 ///
-/// Uses the factored Tikhonov damping of Martens & Grosse (2015) with \f$\pi = 1\f$:
-/// \f[ V = (G + \sqrt{\gamma} I)^{-1} X (A + \sqrt{\gamma} I)^{-1}. \f]
-/// The damping is baked in when the inverse is computed (every inv_update_steps).
+/// Uses the factored Tikhonov damping of Martens & Grosse (2015, §6.3):
+/// \f[ V = (G + \tfrac{\sqrt{\gamma}}{\pi} I)^{-1} X (A + \pi\sqrt{\gamma} I)^{-1}, \qquad
+///     \pi = \sqrt{\frac{\mathrm{tr}(A)/\dim A}{\mathrm{tr}(G)/\dim G}}, \f]
+/// with \f$\pi\f$ from the factors being inverted (\f$\pi = 1\f$ when a trace is 0 or
+/// \f$\pi\f$ is not finite), or with \f$\pi = 1\f$ throughout when `pi_damping` is off (kfac
+/// 0.1's form). kfac-pytorch's INVERSE method adds \f$\gamma\f$ itself to each factor, so its
+/// damping values do not carry over one to one. The damping is baked in when the inverse is
+/// computed (every inv_update_steps).
 
 #include <cmath>
 
@@ -14,6 +19,17 @@
 namespace kfac {
 
 namespace impl {
+/// \brief The π-damping setting of the explicit-inverse policies, a base so that both spell it
+/// once: `with_pi_damping(false)` selects \f$\pi = 1\f$ (kfac 0.1's form, and its signature).
+template <class Policy>
+struct PiDamping {
+  bool pi_damping = true;
+  Policy& with_pi_damping(bool on) {
+    pi_damping = on;
+    return static_cast<Policy&>(*this);
+  }
+};
+
 /// Shared by the policies that hold explicit damped inverses.
 template <class T, class Exec>
 struct ExplicitInverse {
@@ -35,13 +51,17 @@ void apply_explicit_inverses(const Exec& exec, const Matrix<T, Exec>& inv_a,
 
 /// \tparam Backend AutoBackend (LAPACK potrf/potri on the host, cuSOLVER potrf/potri on CUDA)
 /// or PortableBackend (team-parallel Cholesky).
-/// No settings of its own.
+///
+/// | type | name | description | default |
+/// |---|---|---|---|
+/// | bool | pi_damping | \f$\pi\f$ from the factors' traces (on) or \f$\pi = 1\f$ (off, kfac 0.1) | true |
 template <class Backend = AutoBackend>
-struct Cholesky {
+struct Cholesky : impl::PiDamping<Cholesky<Backend>> {
   static constexpr const char* name = "cholesky";
   static constexpr bool damping_at_apply = false;
   using backend_type = Backend;
-  std::string settings() const { return ""; }
+  /// "pi" with π-damping; "" for kfac 0.1's π = 1, whose checkpoints then still load.
+  std::string settings() const { return this->pi_damping ? "pi" : ""; }
   /// Buffers of one factorization of an n x n factor: the damped inverse.
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
   static impl::UnitCost cost(index_t n) { return {double(n) * n * n, double(n) * n}; }

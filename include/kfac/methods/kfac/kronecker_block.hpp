@@ -4,6 +4,7 @@
 /// inversion and precision policy.
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -45,6 +46,29 @@ void accumulate_factor(const Exec& exec, const std::vector<RMatrix>& list, F alp
         KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) f(i, j) = f(j, i); });
   }
 }
+
+/// Trace of a square factor, in double.
+template <class Exec, class FMatrix>
+double trace(const Exec& exec, const FMatrix& f) {
+  double t = 0;
+  Kokkos::parallel_reduce(
+      "kfac::layer::trace", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(0))),
+      KOKKOS_LAMBDA(int i, double& acc) { acc += double(f(i, i)); }, t);
+  return t;
+}
+
+/// \f$\pi\f$ of Martens & Grosse (2015, §6.3) from the traces of the two factors, 1 when a trace
+/// is 0 or the ratio is not finite (a factor of zeros must not make the damping infinite).
+inline double pi_from_traces(double trace_a, index_t dim_a, double trace_g, index_t dim_g) {
+  const double pi = std::sqrt((trace_a / double(dim_a)) / (trace_g / double(dim_g)));
+  return pi > 0 && std::isfinite(pi) ? pi : 1.0;
+}
+
+/// Whether an inversion policy asks for π-damping (only the explicit-inverse ones have the setting).
+template <class P, class = void>
+struct has_pi_damping : std::false_type {};
+template <class P>
+struct has_pi_damping<P, std::void_t<decltype(std::declval<const P&>().pi_damping)>> : std::true_type {};
 
 }  // namespace impl
 
@@ -228,8 +252,11 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     if constexpr (!diagonal) {
       allocate_units();
       const double shift = attempt > 0 && InversePolicy::damping_at_apply ? damping : 0.0;
-      if (which == 0) fa_->compute(exec, a_, damping, inversion_, shift);
-      else fg_->compute(exec, g_, damping, inversion_, shift);
+      // Explicit inverses add sqrt(damping) to their factor: damping pi^2 for A and
+      // damping / pi^2 for G give pi sqrt(damping) and sqrt(damping) / pi (pi = 1: unchanged).
+      const double pi = pi_damping(exec);
+      if (which == 0) fa_->compute(exec, a_, pi == 1.0 ? damping : damping * pi * pi, inversion_, shift);
+      else fg_->compute(exec, g_, pi == 1.0 ? damping : damping / (pi * pi), inversion_, shift);
     } else {
       (void)exec; (void)which; (void)damping; (void)attempt;
     }
@@ -365,6 +392,18 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     if (x_.extent(0) == 0) {
       x_ = DMatrix("kfac::layer::x", na_, ng_);
       out_ = DMatrix("kfac::layer::out", na_, ng_);
+    }
+  }
+
+  /// π of Martens & Grosse (2015, §6.3) when the inversion policy uses π-damping, else 1.
+  /// Both factors are on every rank that decomposes either (they are averaged everywhere).
+  double pi_damping(const Exec& exec) const {
+    if constexpr (impl::has_pi_damping<InversePolicy>::value && !diagonal) {
+      if (!inversion_.pi_damping) return 1.0;
+      return impl::pi_from_traces(impl::trace(exec, a_), na_, impl::trace(exec, g_), ng_);
+    } else {
+      (void)exec;
+      return 1.0;
     }
   }
 

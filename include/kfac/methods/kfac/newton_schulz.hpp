@@ -2,7 +2,8 @@
 /// \file newton_schulz.hpp
 /// \brief Damped inverses by the Newton-Schulz iteration: GEMM only, so it runs on any backend.
 ///
-/// Same damping form as kfac::Cholesky: \f$V = (G + \sqrt{\gamma} I)^{-1} X (A + \sqrt{\gamma} I)^{-1}\f$.
+/// Same damping form as kfac::Cholesky, π-damping (Martens & Grosse 2015, §6.3) by default:
+/// \f$V = (G + \frac{\sqrt{\gamma}}{\pi} I)^{-1} X (A + \pi\sqrt{\gamma} I)^{-1}\f$.
 /// Iterates \f$X_{k+1} = X_k (2I - M X_k)\f$ from \f$X_0 = I/\|M\|_F\f$ until
 /// \f$\|I - M X_k\|_F\f$ reaches round-off; converges for any SPD M.
 
@@ -17,7 +18,8 @@ namespace kfac {
 /// |---|---|---|---|
 /// | int | max_iterations | iterations before the inverse counts as failed (then retried with more damping) | 100 |
 /// | double | tolerance | stop when \f$\|I - M X_k\|_F < \mathrm{tolerance} \sqrt{n}\f$; 0 = 1e-14 (double), 1e-6 (float) | 0 |
-struct NewtonSchulz {
+/// | bool | pi_damping | \f$\pi\f$ from the factors' traces (on) or \f$\pi = 1\f$ (off, kfac 0.1) | true |
+struct NewtonSchulz : impl::PiDamping<NewtonSchulz> {
   static constexpr const char* name = "newton_schulz";
   static constexpr bool damping_at_apply = false;
   using backend_type = PortableBackend;
@@ -34,9 +36,13 @@ struct NewtonSchulz {
     tolerance = t;
     return *this;
   }
+  /// As kfac 0.1's ("" or "it=..,tol=..") with π = 1; π-damping appends "pi".
   std::string settings() const {
-    if (max_iterations == 100 && tolerance == 0) return "";
-    return "it=" + std::to_string(max_iterations) + ",tol=" + std::to_string(tolerance);
+    std::string s;
+    if (max_iterations != 100 || tolerance != 0)
+      s = "it=" + std::to_string(max_iterations) + ",tol=" + std::to_string(tolerance);
+    if (pi_damping) s += s.empty() ? "pi" : ",pi";
+    return s;
   }
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
   /// About 30 iterations of two n^3 GEMMs in practice; the assignment balances n^3 either way.
