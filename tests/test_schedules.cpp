@@ -254,11 +254,12 @@ TEST_CASE("skip_layers leaves a layer's gradient untouched", "[schedule][skip_la
 TEST_CASE("memory_report of one Dense layer matches the documented formula", "[schedule][memory]") {
   // KroneckerLayer::memory(): factors (a^2 + g^2) * sizeof(Factor) (a + g for Diagonal);
   // eigendecomposition (a^2 + a + g^2 + g) * sizeof(Decomposition), plus g * a for a
-  // precomputed reciprocal; workspace 3 g a * sizeof(Decomposition) (2 g a for Diagonal) plus
-  // the pending observation rows, batch * (a + g) * sizeof(Factor) for Dense.
+  // precomputed reciprocal; workspace 3 g a * sizeof(Decomposition) (2 g a for Diagonal) plus,
+  // between observe and step, the pending Gram matrices, the size of the factors whatever the
+  // batch and the number of observations (issue 15: no longer batch * (a + g) rows).
   const int in = 5, out = 3, a = in + 1, g = out, batch = 4;
   const std::size_t d8 = sizeof(double), f4 = sizeof(float);
-  auto run = [&](auto tag, auto prec, bool precompute, std::size_t fs, std::size_t factors,
+  auto run = [&](auto tag, auto prec, bool precompute, std::size_t factors,
                  std::size_t decomposition, std::size_t workspace) {
     using Factor = decltype(tag);
     using Prec = decltype(prec);
@@ -274,7 +275,11 @@ TEST_CASE("memory_report of one Dense layer matches the documented formula", "[s
     d.feed(pre, "fc");
     r = pre.memory_report();
     CHECK(r[0].factor_bytes == 0);
-    CHECK(r[0].workspace_bytes == std::size_t(batch) * (a + g) * fs);
+    CHECK(r[0].workspace_bytes == factors);  // the pending Gram matrices
+    const DenseBatch more(in, out, true, 3 * batch, rng);  // a second, larger micro-batch
+    pre.observe_input("fc", more.x);
+    pre.observe_output_grad("fc", more.g);
+    CHECK(pre.memory_report()[0].workspace_bytes == factors);
     pre.step();
     r = pre.memory_report();
     CHECK(r[0].factor_bytes == factors);
@@ -284,15 +289,15 @@ TEST_CASE("memory_report of one Dense layer matches the documented formula", "[s
   };
   const std::size_t eig = std::size_t(a * a + a + g * g + g);
   SECTION("Symmetric, double") {
-    run(kfac::Symmetric{}, kfac::DoublePrecision{}, false, d8, (a * a + g * g) * d8, eig * d8, 3 * g * a * d8);
+    run(kfac::Symmetric{}, kfac::DoublePrecision{}, false, (a * a + g * g) * d8, eig * d8, 3 * g * a * d8);
   }
   SECTION("precomputed reciprocal") {
-    run(kfac::Symmetric{}, kfac::DoublePrecision{}, true, d8, (a * a + g * g) * d8, (eig + g * a) * d8, 3 * g * a * d8);
+    run(kfac::Symmetric{}, kfac::DoublePrecision{}, true, (a * a + g * g) * d8, (eig + g * a) * d8, 3 * g * a * d8);
   }
   SECTION("mixed precision") {
-    run(kfac::Full{}, kfac::MixedPrecision{}, false, f4, (a * a + g * g) * f4, eig * d8, 3 * g * a * d8);
+    run(kfac::Full{}, kfac::MixedPrecision{}, false, (a * a + g * g) * f4, eig * d8, 3 * g * a * d8);
   }
   SECTION("Diagonal") {
-    run(kfac::Diagonal{}, kfac::DoublePrecision{}, false, d8, (a + g) * d8, 0, 2 * g * a * d8);
+    run(kfac::Diagonal{}, kfac::DoublePrecision{}, false, (a + g) * d8, 0, 2 * g * a * d8);
   }
 }

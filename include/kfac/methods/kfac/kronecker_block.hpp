@@ -17,30 +17,43 @@
 namespace kfac {
 namespace impl {
 
-/// \brief \f$f = \beta_0 f + \alpha \sum_k R_k^T R_k\f$ over the observation row blocks
-/// \f$R_k\f$: the upper triangle by syrk, or only the diagonal; `full` mirrors the upper triangle
-/// into the lower one. A free function because nvcc rejects device lambdas in private members.
-template <bool diagonal, bool full, class Exec, class RMatrix, class FMatrix, class F>
-void accumulate_factor(const Exec& exec, const std::vector<RMatrix>& list, F alpha, F beta0,
-                       const FMatrix& f) {
-  for (std::size_t k = 0; k < list.size(); ++k) {
-    const F beta = k > 0 ? F(1) : beta0;
-    if constexpr (diagonal) {
-      const auto rows = list[k];
-      const int m = int(rows.extent(0));
-      Kokkos::parallel_for(
-          "kfac::layer::diagonal_factor", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(0))),
-          KOKKOS_LAMBDA(int j) {
-            F s = 0;
-            for (int r = 0; r < m; ++r) s += rows(r, j) * rows(r, j);
-            f(j, 0) = beta * f(j, 0) + alpha * s;
-          });
-    } else {
-      syrk_t_upper(exec, alpha, list[k], beta, f);
-    }
+/// \brief Folds one observation's rows R into the pending Gram matrix: \f$P = R^T R\f$ (first
+/// observation of the step) or \f$P = P + R^T R\f$, the upper triangle by syrk, or only the
+/// diagonal. A free function because nvcc rejects device lambdas in private members.
+template <bool diagonal, class Exec, class RMatrix, class FMatrix>
+void fold_observation(const Exec& exec, const RMatrix& rows, bool first, const FMatrix& p) {
+  using F = typename FMatrix::non_const_value_type;
+  if constexpr (diagonal) {
+    const int m = int(rows.extent(0));
+    Kokkos::parallel_for(
+        "kfac::layer::diagonal_gram", Kokkos::RangePolicy<Exec>(exec, 0, int(p.extent(0))),
+        KOKKOS_LAMBDA(int j) {
+          F s = 0;
+          for (int r = 0; r < m; ++r) s += rows(r, j) * rows(r, j);
+          p(j, 0) = first ? s : p(j, 0) + s;
+        });
+  } else {
+    syrk_t_upper(exec, F(1), rows, F(first ? 0 : 1), p);  // beta = 0 ignores p's old values
   }
-  if constexpr (full) {
-    const int n = int(f.extent(0));
+}
+
+/// \brief \f$f = \beta_0 f + \alpha P\f$ from the pending Gram matrix P (its upper triangle, or
+/// the diagonal); \f$\beta_0 = 0\f$ ignores f's old values. `full` mirrors the upper triangle
+/// into the lower one. For one observation whose rows fit in one of the BLAS's k-blocks this is
+/// bit for bit what syrk with \f$\alpha, \beta_0\f$ on the rows gave: both round
+/// \f$\beta_0 f\f$ and \f$\alpha R^T R\f$ and then their sum.
+template <bool diagonal, bool full, class Exec, class FMatrix, class F>
+void fold_factor(const Exec& exec, const FMatrix& p, F alpha, F beta0, const FMatrix& f) {
+  const int n = int(f.extent(0));
+  Kokkos::parallel_for(
+      "kfac::layer::fold_factor", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(1))), KOKKOS_LAMBDA(int j) {
+        const int rows = diagonal ? n : j + 1;
+        if (beta0 == F(0))
+          for (int i = 0; i < rows; ++i) f(i, j) = alpha * p(i, j);
+        else
+          for (int i = 0; i < rows; ++i) f(i, j) = beta0 * f(i, j) + alpha * p(i, j);
+      });
+  if constexpr (full && !diagonal) {
     Kokkos::parallel_for(
         "kfac::layer::symmetrize", Kokkos::RangePolicy<Exec>(exec, 0, n),
         KOKKOS_LAMBDA(int j) { for (int i = j + 1; i < n; ++i) f(i, j) = f(j, i); });
@@ -124,7 +137,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   /// kept out; step()'s sample-count check could only refuse the whole pending update, which
   /// no call can then repair.
   std::string check_output_grad(const impl::Extents& e) const override {
-    const std::size_t k = g_rows_.size();
+    const std::size_t k = std::size_t(g_count_);
     if (k < a_extents_.size() && e[0] != a_extents_[k][0])
       return "output gradient has batch " + std::to_string(e[0]) +
              " but the input it pairs with (observation " + std::to_string(k + 1) +
@@ -137,9 +150,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
                  layer_.a_rows(e), na_);
     layer_.fill_a_rows(exec, x, rows);
-    a_rows_.push_back(rows);
-    a_norm_ += layer_.a_normalizer(e);
     a_trace_ += impl::sum_of_squares(exec, rows);
+    fold(exec, rows, a_count_++ == 0, na_, a_pending_);
+    a_norm_ += layer_.a_normalizer(e);
     a_samples_ += e[0];
     a_extents_.push_back(e);
     last_input_ = e;
@@ -149,9 +162,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
                  layer_.g_rows(e), ng_);
     layer_.fill_g_rows(exec, g, scale, rows);
-    g_rows_.push_back(rows);
-    g_norm_ += layer_.g_normalizer(e);
     g_trace_ += impl::sum_of_squares(exec, rows);
+    fold(exec, rows, g_count_++ == 0, ng_, g_pending_);
+    g_norm_ += layer_.g_normalizer(e);
     g_samples_ += e[0];
   }
   double observations_scale() const override {
@@ -163,9 +176,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     return !(a_trace_ / a_norm_ <= big) || !(g_trace_ / g_norm_ <= big);
   }
   std::string observations_problem() const override {
-    if (a_rows_.empty() && g_rows_.empty()) return "no observations were given";
-    if (a_rows_.empty()) return "no input was observed";
-    if (g_rows_.empty()) return "no output gradient was observed";
+    if (a_count_ == 0 && g_count_ == 0) return "no observations were given";
+    if (a_count_ == 0) return "no input was observed";
+    if (g_count_ == 0) return "no output gradient was observed";
     if (a_samples_ != g_samples_)
       return "observed " + std::to_string(a_samples_) + " input samples but " +
              std::to_string(g_samples_) + " output-gradient samples";
@@ -176,9 +189,10 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     return {};
   }
   void clear_observations() override {
-    a_rows_.clear();
+    a_count_ = g_count_ = 0;
+    a_pending_ = FMatrix();  // released, so that memory_report() after a step shows none pending
+    g_pending_ = FMatrix();
     a_extents_.clear();
-    g_rows_.clear();
     a_norm_ = g_norm_ = 0;
     a_trace_ = g_trace_ = 0;
     a_samples_ = g_samples_ = 0;
@@ -202,8 +216,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   }
   void update_statistics(const Exec& exec, double decay) override {
     allocate_factor_storage();
-    accumulate(exec, a_rows_, a_norm_, decay, a_);
-    accumulate(exec, g_rows_, g_norm_, decay, g_);
+    accumulate(exec, a_pending_, a_norm_, decay, a_);
+    accumulate(exec, g_pending_, g_norm_, decay, g_);
     has_factors_ = true;
   }
   bool has_statistics() const override { return has_factors_; }
@@ -331,15 +345,15 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   /// for a precomputed reciprocal, 0 for Diagonal; workspace_bytes 2 g a sizeof(Decomposition)
   /// once a gradient was loaded (gradient in, preconditioned gradient out), plus g a for the
   /// intermediate product once this process preconditioned it (gradient workers; not Diagonal),
-  /// plus the pending observation rows (Layer::a_rows a + Layer::g_rows g) sizeof(Factor).
+  /// plus, between observe and step, the pending Gram matrices of the observations,
+  /// (a^2 + g^2) sizeof(Factor) ((a + g) for Diagonal) whatever the batch and their number.
   MemoryReport memory() const override {
     MemoryReport r{this->name(), kind(), 0, 0, 0};
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
     if (fa_) r.decomposition_bytes = fa_->bytes() + fg_->bytes();
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
     r.workspace_bytes = (x_.size() + work_.size() + out_.size()) * sizeof(D);
-    for (const auto& v : a_rows_) r.workspace_bytes += v.size() * sizeof(F);
-    for (const auto& v : g_rows_) r.workspace_bytes += v.size() * sizeof(F);
+    r.workspace_bytes += (a_pending_.size() + g_pending_.size()) * sizeof(F);
     return r;
   }
 
@@ -408,11 +422,31 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   }
 
   /// f = decay f + (1 - decay) sum_k rows_k^T rows_k / norm (f = the new value on the first update).
-  void accumulate(const Exec& exec, const std::vector<RMatrix>& list, double norm, double decay,
-                  const FMatrix& f) {
+  void accumulate(const Exec& exec, const FMatrix& pending, double norm, double decay, const FMatrix& f) {
     const double new_weight = has_factors_ ? 1.0 - decay : 1.0;
-    impl::accumulate_factor<diagonal, std::is_same<FactorPolicy, Full>::value>(
-        exec, list, F(new_weight / norm), F(has_factors_ ? decay : 0.0), f);
+    impl::fold_factor<diagonal, std::is_same<FactorPolicy, Full>::value>(
+        exec, pending, F(new_weight / norm), F(has_factors_ ? decay : 0.0), f);
+  }
+
+  /// Folds one observation's rows into its pending Gram matrix (allocated at the first one), so
+  /// that only O(n^2) stays between observe and step, whatever the batch. The rows themselves
+  /// live only during the observe call.
+  void fold(const Exec& exec, const RMatrix& rows, bool first, index_t n, FMatrix& pending) {
+    // The host BLAS's syrk with beta = 0 overwrites the upper triangle, the only part read, so
+    // its memory need not be zeroed first (a memset of the factor's size per step); the
+    // portable GEMM gets zeros.
+#if defined(KFAC_HAVE_LAPACK)
+    constexpr bool overwritten = impl::host_accessible_v<Exec> || diagonal;
+#else
+    constexpr bool overwritten = diagonal;
+#endif
+    if (pending.extent(0) == 0) {
+      if constexpr (overwritten)
+        pending = FMatrix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::pending"), n, diagonal ? 1 : n);
+      else
+        pending = FMatrix("kfac::layer::pending", n, diagonal ? 1 : n);
+    }
+    impl::fold_observation<diagonal>(exec, rows, first, pending);
   }
 
   LayerType layer_;
@@ -420,7 +454,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   index_t na_, ng_;
   impl::Extents last_input_{0, 0, 0, 0};
   std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
-  std::vector<RMatrix> a_rows_, g_rows_;
+  FMatrix a_pending_, g_pending_;  // sum of R^T R over this step's observations (upper triangle)
+  int a_count_ = 0, g_count_ = 0;   // observations folded in this step
   double a_norm_ = 0, g_norm_ = 0;
   double a_trace_ = 0, g_trace_ = 0;  // sums of squares of the pending rows, in double
   long a_samples_ = 0, g_samples_ = 0;

@@ -86,6 +86,7 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
           sums(c, 1) += gb;
           sums(c, 2) += bb;
         });
+    inputs_[grads_] = Stored();  // folded into the sums: only O(C) stays pending
     ++grads_;
     samples_ += n;
   }
