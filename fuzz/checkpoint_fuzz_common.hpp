@@ -31,10 +31,14 @@ inline void register_layers(Pre& pre) {
   pre.register_layer<kfac::Dense>("fc", kfac::Dense(4, 3));
   pre.register_layer<kfac::Conv2d>("conv", kfac::Conv2d(2, 2, 2, 2));
   pre.register_layer<kfac::BatchNorm2d>("bn", kfac::BatchNorm2d(2));
-  pre.register_layer<kfac::Dense, kfac::Full, kfac::Cholesky<>>("chol", kfac::Dense(3, 2, false));
+  // pi = 1 (kfac 0.1's form, with_pi_damping(false)): the corpus's valid seeds carry its signatures.
+  pre.register_layer("chol", kfac::Dense(3, 2, false),
+                     kfac::KFAC<kfac::Full, kfac::Cholesky<>, kfac::Precision<double>>(
+                         kfac::Cholesky<>{}.with_pi_damping(false)));
   pre.register_layer<kfac::Dense, kfac::Diagonal>("diag", kfac::Dense(3, 2));
-  pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::NewtonSchulz, kfac::MixedPrecision>(
-      "mixed", kfac::Dense(2, 2));
+  pre.register_layer("mixed", kfac::Dense(2, 2),
+                     kfac::KFAC<kfac::Symmetric, kfac::NewtonSchulz, kfac::MixedPrecision>(
+                         kfac::NewtonSchulz{}.with_pi_damping(false)));
 }
 
 /// Deterministic values in [-1, 1): a 64-bit LCG, the high bits scaled.
