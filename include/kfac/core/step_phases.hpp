@@ -13,6 +13,7 @@
 
 #include "kfac/core/agreement.hpp"
 #include "kfac/core/backup.hpp"
+#include "kfac/core/half.hpp"
 #include "kfac/distributed/comm_precision.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/error.hpp"
@@ -34,6 +35,8 @@ long nonfinite_in(const Exec& exec, const Buffer& b) {
   using U = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
   if (b.scalar_size == 8)
     return count_nonfinite(exec, Kokkos::View<const double*, M, U>(static_cast<const double*>(b.data), b.count));
+  if (b.scalar_size == 2)
+    return count_nonfinite(exec, Kokkos::View<const Half*, M, U>(static_cast<const Half*>(b.data), b.count));
   return count_nonfinite(exec, Kokkos::View<const float*, M, U>(static_cast<const float*>(b.data), b.count));
 }
 

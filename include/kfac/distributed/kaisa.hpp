@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
+#include "kfac/core/half.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/distributed/bucketing.hpp"
 #include "kfac/distributed/staging.hpp"
@@ -91,10 +92,12 @@ struct Kaisa {
       return o.comm_precision == CommPrecision::bfloat16 ? 3.3895313892515355e38 : double(FLT_MAX);
     }
     /// Averages the buffers over all ranks in buckets of at most bucket_bytes, per scalar size
-    /// (float first), symmetric factors as packed triangles; bit-identical on every rank.
+    /// (binary16, then float, then double), symmetric factors as packed triangles; bit-identical
+    /// on every rank. kfac::Half factors travel as float (as bfloat16 increments with that
+    /// payload) and are rounded back once, after the average.
     void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
       if (comm_.size() == 1) return;
-      for (std::size_t size : {std::size_t(4), std::size_t(8)}) {
+      for (std::size_t size : {std::size_t(2), std::size_t(4), std::size_t(8)}) {
         std::vector<impl::FactorBuffer> mine;
         std::vector<std::size_t> counts;
         for (const auto& f : all)
@@ -102,8 +105,10 @@ struct Kaisa {
             mine.push_back(f);
             counts.push_back(f.payload_count());
           }
-        for (const auto& bucket : impl::plan_buckets(counts, o.bucket_bytes / size, false)) {
-          if (size == 4) sum_bucket<float>(exec, mine, bucket, o.comm_precision);
+        const std::size_t flat_size = size == 2 ? 4 : size;
+        for (const auto& bucket : impl::plan_buckets(counts, o.bucket_bytes / flat_size, false)) {
+          if (size == 2) sum_bucket<float, Half>(exec, mine, bucket, o.comm_precision);
+          else if (size == 4) sum_bucket<float>(exec, mine, bucket, o.comm_precision);
           else sum_bucket<double>(exec, mine, bucket, o.comm_precision);
         }
       }
@@ -123,7 +128,7 @@ struct Kaisa {
     bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
 
    private:
-    template <class T>
+    template <class T, class S = T>
     void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& items,
                     const impl::Bucket& bucket, CommPrecision payload) {
       const std::size_t count = impl::bucket_count(bucket);
@@ -134,7 +139,7 @@ struct Kaisa {
       std::size_t off = 0;
       for (const auto& p : bucket) {  // pack
         const auto& f = items[p.item];
-        impl::transfer_factor<Exec, T>(exec, f, flat, off, true, T(1), static_cast<const T*>(f.base));
+        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, true, T(1), static_cast<const S*>(f.base));
         off += p.count;
       }
       impl::sum_payload(exec, comm_, flat.data(), count, sizeof(T), payload, payload_);
@@ -142,7 +147,7 @@ struct Kaisa {
       off = 0;
       for (const auto& p : bucket) {  // unpack and average
         const auto& f = items[p.item];
-        impl::transfer_factor<Exec, T>(exec, f, flat, off, false, inv_world, static_cast<const T*>(f.base));
+        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, false, inv_world, static_cast<const S*>(f.base));
         off += p.count;
       }
     }

@@ -325,9 +325,10 @@ class CostModel {
       if (l.kronecker && (l.a_dim < 1 || l.g_dim < 1))
         throw Error(l.name, "cost model: expected a_dim >= 1 and g_dim >= 1");
       if (!l.kronecker && l.channels < 1) throw Error(l.name, "cost model: expected channels >= 1");
-      if ((l.factor_scalar != 4 && l.factor_scalar != 8) ||
+      if ((l.factor_scalar != 2 && l.factor_scalar != 4 && l.factor_scalar != 8) ||
           (l.decomposition_scalar != 4 && l.decomposition_scalar != 8))
-        throw Error(l.name, "cost model: scalar sizes must be 4 (float) or 8 (double)");
+        throw Error(l.name, "cost model: factor scalar sizes must be 2 (kfac::Half), 4 (float) or "
+                            "8 (double), decomposition sizes 4 or 8");
     }
   }
 
@@ -447,18 +448,19 @@ class CostModel {
     return r;
   }
 
-  /// Replays the factor averaging of kfac::Kaisa: buckets per storage type, float first,
-  /// cut by the library's own bucketing routine.
+  /// Replays the factor averaging of kfac::Kaisa: buckets per storage type (binary16, float,
+  /// double), cut by the library's own bucketing routine; binary16 factors travel as float.
   void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Options& o) const {
     if (p.world == 1) return;
     std::size_t sent = 0, staging = 0;
-    for (std::size_t size : {std::size_t(4), std::size_t(8)}) {
+    for (std::size_t storage : {std::size_t(2), std::size_t(4), std::size_t(8)}) {
+      const std::size_t size = storage == 2 ? 4 : storage;  // the flat buffer's scalar
       const std::size_t payload = o.comm_precision == CommPrecision::native    ? size
                                   : o.comm_precision == CommPrecision::float32 ? 4
                                                                                : 2;
       std::vector<std::size_t> counts;
       for (std::size_t l = 0; l < layers_.size(); ++l) {
-        if (skip[l] || layers_[l].factor_scalar != size) continue;
+        if (skip[l] || layers_[l].factor_scalar != storage) continue;
         for (std::size_t c : layers_[l].factor_payload_counts()) counts.push_back(c);
       }
       for (const auto& bucket : impl::plan_buckets(counts, o.bucket_bytes / size, false)) {

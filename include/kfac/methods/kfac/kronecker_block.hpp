@@ -38,20 +38,22 @@ void fold_observation(const Exec& exec, const RMatrix& rows, bool first, const F
 }
 
 /// \brief \f$f = \beta_0 f + \alpha P\f$ from the pending Gram matrix P (its upper triangle, or
-/// the diagonal); \f$\beta_0 = 0\f$ ignores f's old values. `full` mirrors the upper triangle
-/// into the lower one. For one observation whose rows fit in one of the BLAS's k-blocks this is
-/// bit for bit what syrk with \f$\alpha, \beta_0\f$ on the rows gave: both round
-/// \f$\beta_0 f\f$ and \f$\alpha R^T R\f$ and then their sum.
-template <bool diagonal, bool full, class Exec, class FMatrix, class F>
-void fold_factor(const Exec& exec, const FMatrix& p, F alpha, F beta0, const FMatrix& f) {
+/// the diagonal), computed in P's arithmetic type C and rounded once to f's storage type
+/// (kfac::Half: float arithmetic); \f$\beta_0 = 0\f$ ignores f's old values, as BLAS does.
+/// `full` mirrors the upper triangle into the lower one. For one observation whose rows fit in
+/// one of the BLAS's k-blocks this is bit for bit what syrk with \f$\alpha, \beta_0\f$ on the
+/// rows gave: both round \f$\beta_0 f\f$ and \f$\alpha R^T R\f$ and then their sum.
+template <bool diagonal, bool full, class Exec, class PMatrix, class FMatrix, class C>
+void fold_factor(const Exec& exec, const PMatrix& p, C alpha, C beta0, const FMatrix& f) {
+  using S = typename FMatrix::non_const_value_type;
   const int n = int(f.extent(0));
   Kokkos::parallel_for(
       "kfac::layer::fold_factor", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(1))), KOKKOS_LAMBDA(int j) {
         const int rows = diagonal ? n : j + 1;
-        if (beta0 == F(0))
-          for (int i = 0; i < rows; ++i) f(i, j) = alpha * p(i, j);
+        if (beta0 == C(0))
+          for (int i = 0; i < rows; ++i) f(i, j) = S(alpha * p(i, j));
         else
-          for (int i = 0; i < rows; ++i) f(i, j) = beta0 * f(i, j) + alpha * p(i, j);
+          for (int i = 0; i < rows; ++i) f(i, j) = S(beta0 * C(f(i, j)) + alpha * p(i, j));
       });
   if constexpr (full && !diagonal) {
     Kokkos::parallel_for(
@@ -98,12 +100,14 @@ template <class LayerType, class FactorPolicy, class InversePolicy, class Prec, 
 class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   static_assert(LayerType::is_kronecker, "KroneckerLayer needs a Kronecker layer type");
   using F = typename Prec::factor_type;
+  using C = impl::arithmetic_t<F>;  // observation rows and Gram products: float for Half
   using D = typename Prec::decomposition_type;
   using FMatrix = impl::Matrix<F, Exec>;
   using DMatrix = impl::Matrix<D, Exec>;
   // Observation rows keep the host framework's row-major layout: filling them is a contiguous
   // copy, and BLAS reads them as the column-major transpose (syrk without a transpose).
-  using RMatrix = Kokkos::View<F**, Kokkos::LayoutRight, typename Exec::memory_space>;
+  using RMatrix = Kokkos::View<C**, Kokkos::LayoutRight, typename Exec::memory_space>;
+  using PMatrix = impl::Matrix<C, Exec>;  // pending Gram matrices, in the arithmetic type
   using Fact = typename InversePolicy::template Factorization<D, Exec>;
   static constexpr bool diagonal = FactorPolicy::is_diagonal;
 
@@ -172,7 +176,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   }
   bool observations_overflow() const override {
     if (a_norm_ == 0 || g_norm_ == 0) return false;
-    const double big = double(std::numeric_limits<F>::max());
+    const double big = impl::largest_value<F>();
     return !(a_trace_ / a_norm_ <= big) || !(g_trace_ / g_norm_ <= big);
   }
   std::string observations_problem() const override {
@@ -185,7 +189,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     if (observations_overflow())
       return "observations would overflow the factor type (trace of the new A " +
              std::to_string(a_trace_ / a_norm_) + ", G " + std::to_string(g_trace_ / g_norm_) +
-             "; largest value " + std::to_string(double(std::numeric_limits<F>::max())) + ")";
+             "; largest value " + std::to_string(impl::largest_value<F>()) + ")";
     return {};
   }
   void clear_observations() override {
@@ -346,14 +350,15 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   /// once a gradient was loaded (gradient in, preconditioned gradient out), plus g a for the
   /// intermediate product once this process preconditioned it (gradient workers; not Diagonal),
   /// plus, between observe and step, the pending Gram matrices of the observations,
-  /// (a^2 + g^2) sizeof(Factor) ((a + g) for Diagonal) whatever the batch and their number.
+  /// (a^2 + g^2) sizeof(Factor) ((a + g) for Diagonal; float for Half factors) whatever the
+  /// batch and their number.
   MemoryReport memory() const override {
     MemoryReport r{this->name(), kind(), 0, 0, 0};
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
     if (fa_) r.decomposition_bytes = fa_->bytes() + fg_->bytes();
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
     r.workspace_bytes = (x_.size() + work_.size() + out_.size()) * sizeof(D);
-    r.workspace_bytes += (a_pending_.size() + g_pending_.size()) * sizeof(F);
+    r.workspace_bytes += (a_pending_.size() + g_pending_.size()) * sizeof(C);
     return r;
   }
 
@@ -377,13 +382,13 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   const FMatrix& factor_a() const { return a_; }
   const FMatrix& factor_g() const { return g_; }
   /// The packed upper triangle of A or G (column by column: A(0,0), A(0,1), A(1,1), A(0,2), ...),
-  /// n(n+1)/2 values: what distribution sends for Symmetric factors.
-  Kokkos::View<F*, typename Exec::memory_space> packed_factor(int which) const {
+  /// n(n+1)/2 values: what distribution sends for Symmetric factors (as float for Half).
+  Kokkos::View<C*, typename Exec::memory_space> packed_factor(int which) const {
     static_assert(!diagonal, "packed_factor: diagonal factors have no triangle");
     const FMatrix f = which == 0 ? a_ : g_;
     const index_t n = index_t(f.extent(0));
-    Kokkos::View<F*, typename Exec::memory_space> p("kfac::layer::packed", std::size_t(n) * (n + 1) / 2);
-    impl::transfer_factor<Exec, F>(Exec(), impl::FactorBuffer{impl::buffer_of(f), n, true, true}, p, 0, true);
+    Kokkos::View<C*, typename Exec::memory_space> p("kfac::layer::packed", std::size_t(n) * (n + 1) / 2);
+    impl::transfer_factor<Exec, C, F>(Exec(), impl::FactorBuffer{impl::buffer_of(f), n, true, true}, p, 0, true);
     return p;
   }
   const Fact* decomposition_a() const { return fa_.get(); }
@@ -422,16 +427,16 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   }
 
   /// f = decay f + (1 - decay) sum_k rows_k^T rows_k / norm (f = the new value on the first update).
-  void accumulate(const Exec& exec, const FMatrix& pending, double norm, double decay, const FMatrix& f) {
+  void accumulate(const Exec& exec, const PMatrix& pending, double norm, double decay, const FMatrix& f) {
     const double new_weight = has_factors_ ? 1.0 - decay : 1.0;
     impl::fold_factor<diagonal, std::is_same<FactorPolicy, Full>::value>(
-        exec, pending, F(new_weight / norm), F(has_factors_ ? decay : 0.0), f);
+        exec, pending, C(new_weight / norm), C(has_factors_ ? decay : 0.0), f);
   }
 
   /// Folds one observation's rows into its pending Gram matrix (allocated at the first one), so
   /// that only O(n^2) stays between observe and step, whatever the batch. The rows themselves
   /// live only during the observe call.
-  void fold(const Exec& exec, const RMatrix& rows, bool first, index_t n, FMatrix& pending) {
+  void fold(const Exec& exec, const RMatrix& rows, bool first, index_t n, PMatrix& pending) {
     // The host BLAS's syrk with beta = 0 overwrites the upper triangle, the only part read, so
     // its memory need not be zeroed first (a memset of the factor's size per step); the
     // portable GEMM gets zeros.
@@ -442,9 +447,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
 #endif
     if (pending.extent(0) == 0) {
       if constexpr (overwritten)
-        pending = FMatrix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::pending"), n, diagonal ? 1 : n);
+        pending = PMatrix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::pending"), n, diagonal ? 1 : n);
       else
-        pending = FMatrix("kfac::layer::pending", n, diagonal ? 1 : n);
+        pending = PMatrix("kfac::layer::pending", n, diagonal ? 1 : n);
     }
     impl::fold_observation<diagonal>(exec, rows, first, pending);
   }
@@ -454,7 +459,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   index_t na_, ng_;
   impl::Extents last_input_{0, 0, 0, 0};
   std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
-  FMatrix a_pending_, g_pending_;  // sum of R^T R over this step's observations (upper triangle)
+  PMatrix a_pending_, g_pending_;  // sum of R^T R over this step's observations (upper triangle)
   int a_count_ = 0, g_count_ = 0;   // observations folded in this step
   double a_norm_ = 0, g_norm_ = 0;
   double a_trace_ = 0, g_trace_ = 0;  // sums of squares of the pending rows, in double
