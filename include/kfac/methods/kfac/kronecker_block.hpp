@@ -194,8 +194,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   }
   void clear_observations() override {
     a_count_ = g_count_ = 0;
-    a_pending_ = FMatrix();  // released, so that memory_report() after a step shows none pending
-    g_pending_ = FMatrix();
+    a_pending_ = PMatrix();  // released, so that memory_report() after a step shows none pending
+    g_pending_ = PMatrix();
     a_extents_.clear();
     a_norm_ = g_norm_ = 0;
     a_trace_ = g_trace_ = 0;
