@@ -272,6 +272,18 @@ TEST_CASE("mismatched registration raises the same error on every rank", "[mpi][
   CHECK(pre.step_count() == 0);
 }
 
+TEST_CASE("ranks that disagree on reduce_to_owner raise the same error and change nothing", "[mpi][errors][owner]") {
+  // The option changes which collectives run; the registration check refuses it before any.
+  const int rank = world_rank(), size = world_size();
+  if (size == 1) return;
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0).with_reduce_to_owner(rank == size - 1), Host(),
+                                                        kfac::MpiComm(MPI_COMM_WORLD));
+  register_all<kfac::Symmetric>(pre);
+  CHECK_THROWS_WITH(run(pre, rank, size, 1), Catch::Contains("ranks registered different layers"));
+  CHECK(pre.step_count() == 0);
+  CHECK_FALSE(pre.layer("fc1").has_factors());
+}
+
 TEST_CASE("GradientAverager averages bucketed gradients bit-identically", "[mpi][data_parallel]") {
   const int rank = world_rank(), size = world_size();
   Rng rng(99 + rank);
