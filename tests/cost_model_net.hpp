@@ -12,7 +12,7 @@ namespace kfac_test {
 
 /// Calls reg.template operator()<Layer, Factor, Inverse, Precision>(name, layer) per layer:
 /// eigen (Q and lambda), Cholesky with Full factors and no bias, Newton-Schulz, a conv with
-/// float factors, closed-form Diagonal and BatchNorm, and a wider dense layer.
+/// float factors, closed-form Diagonal and BatchNorm, a wider dense layer, and binary16 factors.
 template <class Reg>
 void cost_model_net(Reg&& reg) {
   using kfac::DoublePrecision;
@@ -25,6 +25,7 @@ void cost_model_net(Reg&& reg) {
   reg.template operator()<kfac::Dense, kfac::Diagonal, Eigen, DoublePrecision>("diag", kfac::Dense(6, 2));
   reg.template operator()<kfac::BatchNorm2d, kfac::UnitWise, Eigen, DoublePrecision>("bn", kfac::BatchNorm2d(3));
   reg.template operator()<kfac::Dense, kfac::Symmetric, Eigen, DoublePrecision>("fc3", kfac::Dense(7, 9));
+  reg.template operator()<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::HalfPrecision>("fc_half", kfac::Dense(4, 3));
 }
 
 /// Collects the net as kfac::LayerShape (local classes cannot have member templates).
@@ -62,6 +63,8 @@ struct CostModelBatch {
   V2 x1, g1, x2, g2, x3, g3, x4, g4, x5, g5, w1, w2, w3, w4, w5;
   V4 xc, gc, xb, gb, wc;
   V1 b1, b3, bc, b4, gamma, beta, b5;
+  V2 x6, g6, w6;  // fc_half, drawn last so the other layers' data stays as it was
+  V1 b6;
 
   explicit CostModelBatch(Rng& rng)
       : x1(random_view<double>(n, 5, rng)), g1(random_view<double>(n, 4, rng)),
@@ -77,7 +80,9 @@ struct CostModelBatch {
         wc(random_view4<double>(3, 2, 3, 3, rng)),
         b1(random_vector<double>(4, rng)), b3(random_vector<double>(2, rng)), bc(random_vector<double>(3, rng)),
         b4(random_vector<double>(2, rng)), gamma(random_vector<double>(3, rng)), beta(random_vector<double>(3, rng)),
-        b5(random_vector<double>(9, rng)) {}
+        b5(random_vector<double>(9, rng)),
+        x6(random_view<double>(n, 4, rng)), g6(random_view<double>(n, 3, rng)),
+        w6(random_view<double>(3, 4, rng)), b6(random_vector<double>(3, rng)) {}
 
   template <class Pre>
   void feed(Pre& pre) const {
@@ -89,6 +94,7 @@ struct CostModelBatch {
       pre.observe_input("diag", x4); pre.observe_output_grad("diag", g4);
       pre.observe_input("bn", xb); pre.observe_output_grad("bn", gb);
       pre.observe_input("fc3", x5); pre.observe_output_grad("fc3", g5);
+      pre.observe_input("fc_half", x6); pre.observe_output_grad("fc_half", g6);
     }
     pre.set_gradient("fc1", w1, b1);
     pre.set_gradient("fc2", w2);
@@ -97,6 +103,7 @@ struct CostModelBatch {
     pre.set_gradient("diag", w4, b4);
     pre.set_gradient("bn", gamma, beta);
     pre.set_gradient("fc3", w5, b5);
+    pre.set_gradient("fc_half", w6, b6);
   }
 };
 

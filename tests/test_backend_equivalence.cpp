@@ -247,6 +247,7 @@ TEST_CASE("float and mixed precision give the reference backend's results", "[ba
   layers.push_back(dense_data<float>("fc_mixed", 7, 5, 16, B::bitwise, rng));
   layers.push_back(dense_data<float>("fc_ns", 7, 5, 16, B::tolerance, rng));
   layers.push_back(conv_data<float>("conv_single", 2, 3, 3, 5, 4, B::bitwise, rng));
+  layers.push_back(dense_data<float>("fc_half", 7, 5, 16, B::bitwise, rng));  // binary16 factors
   auto reg = [](auto& pre) {
     const kfac::Dense d(7, 5, true);
     pre.template register_layer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::SinglePrecision>(
@@ -256,6 +257,7 @@ TEST_CASE("float and mixed precision give the reference backend's results", "[ba
     pre.template register_layer<kfac::Dense, kfac::Symmetric, kfac::NewtonSchulz, kfac::SinglePrecision>("fc_ns", d);
     pre.template register_layer<kfac::Conv2d, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>(
         "conv_single", kfac::Conv2d(2, 3, 3, 3).with_padding(1, 1));
+    pre.template register_layer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::HalfPrecision>("fc_half", d);
   };
   compare<float>(options(0.0), layers, 3, 1e-4, true, reg);
 }

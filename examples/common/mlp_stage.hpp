@@ -5,8 +5,9 @@
 ///
 /// Under FDG a stage has several batches in flight (up to its delay + 1), so each batch's
 /// activations live in a slot of their own from its forward to its backward; the backward
-/// goes through the current weights. Host execution spaces only (the pipeline's tensors are
-/// host views).
+/// goes through the current weights. The pipeline hands host tensors (kfac::StageTensor); the
+/// stage computes on nn::ExecSpace and mirrors its input, output gradient and results at that
+/// boundary (no copies when ExecSpace is a host space: the types are then the same).
 ///
 /// Optionally the stage preconditions its own layers with K-FAC (enable_kfac): a
 /// kfac::Preconditioner over this stage's Dense layers only, on this rank alone (SerialComm),
@@ -18,6 +19,7 @@
 #include "common/tensor.hpp"
 
 #include <KokkosBlas3_gemm.hpp>
+#include <kfac/pipeline/stage.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -56,6 +58,7 @@ inline void column_sums(const Matrix& g, const Vector& out) {
 class MlpStage {
  public:
   using scalar_type = float;
+  using HostMatrix = kfac::StageTensor<float>;
 
   /// \param widths [in] the whole MLP's widths (input, hidden..., classes)
   /// \param first, last [in] this stage holds layers [first, last) (layer i maps widths[i] -> widths[i+1])
@@ -101,19 +104,20 @@ class MlpStage {
   /// Seconds spent in each layer's forward + backward so far (for the pipeline cost model).
   const std::vector<double>& layer_seconds() const { return layer_seconds_; }
 
-  Matrix forward(long batch, const Matrix& x) { return run_forward(acquire(batch), x); }
+  HostMatrix forward(long batch, const HostMatrix& x) { return to_host(run_forward(acquire(batch), x)); }
 
   /// Evaluation: a forward pass in a slot of its own, touching no batch in flight.
-  Matrix predict(const Matrix& x) { return run_forward(eval_, x); }
+  HostMatrix predict(const HostMatrix& x) { return to_host(run_forward(eval_, x)); }
 
-  Matrix backward(long batch, const Matrix& x, const Matrix& gy, bool need_input_grad) {
+  /// `x` is the input forward received (the pipeline's stash); the slot kept its device copy.
+  HostMatrix backward(long batch, const HostMatrix& x, const HostMatrix& gy, bool need_input_grad) {
     Slot& s = find(batch);
     const int n = int(x.extent(0));
-    Matrix g = gy;
+    Matrix g = Kokkos::create_mirror_view_and_copy(MemSpace(), gy);
     for (std::size_t i = layers_.size(); i-- > 0;) {
       Kokkos::Timer timer;
       Layer& l = layers_[i];
-      const Matrix h = i ? s.out[i - 1] : x;
+      const Matrix h = i ? s.out[i - 1] : s.input;
       if (relu(i)) {
         const Matrix gz = s.scratch[2].matrix(n, l.out);
         Kokkos::deep_copy(gz, g);
@@ -140,7 +144,7 @@ class MlpStage {
       layer_seconds_[i] += timer.seconds();
     }
     s.batch = -1;  // the slot is free again; g stays valid until the next call
-    return need_input_grad ? g : Matrix();
+    return need_input_grad ? to_host(g) : HostMatrix();
   }
 
   void apply_update(long) {
@@ -170,6 +174,7 @@ class MlpStage {
   struct Slot {
     long batch = -1;
     std::vector<Buffer<float>> store;
+    Matrix input;             ///< the batch's input in ExecSpace's memory
     std::vector<Matrix> out;  ///< each layer's output (after the ReLU)
     Buffer<float> scratch[3];
   };
@@ -177,11 +182,14 @@ class MlpStage {
   bool relu(std::size_t i) const { return first_ + int(i) != classes_layer_; }
   std::string name(std::size_t i) const { return "fc" + std::to_string(first_ + int(i) + 1); }
 
-  Matrix run_forward(Slot& s, const Matrix& x) {
+  static HostMatrix to_host(const Matrix& m) { return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m); }
+
+  Matrix run_forward(Slot& s, const HostMatrix& x) {
     const int n = int(x.extent(0));
     s.store.resize(layers_.size());
     s.out.resize(layers_.size());
-    Matrix h = x;
+    s.input = Kokkos::create_mirror_view_and_copy(MemSpace(), x);
+    Matrix h = s.input;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       Kokkos::Timer timer;
       const Layer& l = layers_[i];

@@ -136,23 +136,23 @@ double max_over(double v, MPI_Comm c) {
 }
 
 /// Test accuracy of the model split over the stage ranks: batches go down the chain in eval mode.
-double evaluate(nn::MlpStage& stage, int k, int stages, const nn::Dataset& test, const std::vector<int>& widths) {
+double evaluate(nn::MlpStage& stage, int k, int stages, const nn::Dataset& test) {
   const int n = test.size(), chunk = 1000;
   long correct = 0;
   if (k < stages) {
-    const nn::Matrix all = nn::as_matrix(test.images);
+    using HostMatrix = nn::MlpStage::HostMatrix;  // what travels between the stage ranks
+    const HostMatrix all = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), nn::as_matrix(test.images));
     auto labels = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), test.labels);
-    nn::Matrix in("nn::eval::in", chunk, widths[0]);
     for (int first = 0; first < n; first += chunk) {
       const int m = std::min(chunk, n - first);
-      nn::Matrix x;
+      HostMatrix x;
       if (k == 0) {
         x = Kokkos::subview(all, std::make_pair(first, first + m), Kokkos::ALL);
       } else {
-        x = nn::Matrix("nn::eval::x", m, stage.input_features());
+        x = HostMatrix("nn::eval::x", m, stage.input_features());
         MPI_Recv(x.data(), int(x.size()), MPI_FLOAT, k - 1, 11, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       }
-      const nn::Matrix y = stage.predict(x);
+      const HostMatrix y = stage.predict(x);
       if (k + 1 < stages) {
         MPI_Send(y.data(), int(y.size()), MPI_FLOAT, k + 1, 11, MPI_COMM_WORLD);
       } else {
@@ -197,11 +197,16 @@ Run train_one(const Args& args, const std::string& mode, int stages, double beta
   nn::Batcher batcher(train, args.batch, seed);
   nn::SoftmaxCrossEntropy xent;
   nn::BatchStats stats;
-  auto input = [&](long i) { return nn::as_matrix(batcher.get(int(i)).x); };
-  auto loss = [&](long i, const nn::Matrix& out) {
+  // The pipeline exchanges host tensors; the batches and the loss live in nn::ExecSpace's memory
+  // (the mirrors are the same views when that is the host).
+  auto input = [&](long i) {
+    return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), nn::as_matrix(batcher.get(int(i)).x));
+  };
+  auto loss = [&](long i, const nn::MlpStage::HostMatrix& out) {
     const nn::Batch b = batcher.get(int(i));
-    stats += xent.forward_backward(nn::as_tensor(out), b.y);
-    return nn::as_matrix(xent.grad());
+    const nn::Matrix dev = Kokkos::create_mirror_view_and_copy(nn::MemSpace(), out);
+    stats += xent.forward_backward(nn::as_tensor(dev), b.y);
+    return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), nn::as_matrix(xent.grad()));
   };
 
   Run run;
@@ -233,7 +238,7 @@ Run train_one(const Args& args, const std::string& mode, int stages, double beta
     total_steps += rep.steps;
     double mean_loss = stats.mean_loss();
     MPI_Bcast(&mean_loss, 1, MPI_DOUBLE, stages - 1, MPI_COMM_WORLD);
-    const double acc = evaluate(stage, rank, stages, test, w);
+    const double acc = evaluate(stage, rank, stages, test);
     const demo::EvalPoint pt{e + 1, long(e + 1) * steps, wall, mean_loss, acc};
     run.summary.evals.push_back(pt);
     if (log) log->row(run.summary, pt);

@@ -30,18 +30,19 @@ bool everywhere(bool b) {
   return r == 1;
 }
 
+/// Inputs on the host (what the pipeline exchanges), labels in nn::ExecSpace's memory.
 struct Data {
-  std::vector<nn::Matrix> x;
+  std::vector<nn::MlpStage::HostMatrix> x;
   std::vector<nn::Labels> y;
   Data() {
     nn::SplitMix64 rng(42);
     for (long b = 0; b < kBatches; ++b) {
-      nn::Matrix xb("x", kBatch, kWidths.front());
-      nn::Labels yb("y", kBatch);
+      nn::MlpStage::HostMatrix xb("x", kBatch, kWidths.front());
+      auto yb = Kokkos::create_mirror_view(nn::Labels("y", kBatch));
       for (std::size_t i = 0; i < xb.size(); ++i) xb.data()[i] = float(rng.uniform(-1.0, 1.0));
       for (int i = 0; i < kBatch; ++i) yb(i) = int(rng.next() % std::uint64_t(kWidths.back()));
       x.push_back(xb);
-      y.push_back(yb);
+      y.push_back(Kokkos::create_mirror_view_and_copy(nn::MemSpace(), yb));
     }
   }
 };
@@ -74,9 +75,10 @@ std::vector<float> train(int stages, kfac::PipelineSchedule schedule, bool with_
   nn::SoftmaxCrossEntropy xent;
   for (int e = 0; e < 2; ++e)
     pipe.train(kBatches, [&](long b) { return data.x[b]; },
-               [&](long b, const nn::Matrix& out) {
-                 xent.forward_backward(nn::as_tensor(out), data.y[b]);
-                 return nn::as_matrix(xent.grad());
+               [&](long b, const nn::MlpStage::HostMatrix& out) {
+                 const nn::Matrix dev = Kokkos::create_mirror_view_and_copy(nn::MemSpace(), out);
+                 xent.forward_backward(nn::as_tensor(dev), data.y[b]);
+                 return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), nn::as_matrix(xent.grad()));
                });
   std::vector<float> mine = rank < stages ? stage.parameters() : std::vector<float>();
   if (rank == 0) {

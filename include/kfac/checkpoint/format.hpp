@@ -91,13 +91,17 @@ class ByteReader {
   std::size_t n_, off_ = 0;
 };
 
-/// True when `count` scalars of `scalar_size` bytes (4: float, 8: double) at `p` are all finite.
+/// True when `count` scalars of `scalar_size` bytes (2: binary16, 4: float, 8: double) at `p` are all finite.
 inline bool all_finite(const char* p, std::size_t count, std::size_t scalar_size) {
   for (std::size_t i = 0; i < count; ++i) {
     if (scalar_size == 8) {
       double v;
       std::memcpy(&v, p + 8 * i, 8);
       if (!std::isfinite(v)) return false;
+    } else if (scalar_size == 2) {  // binary16: finite unless the exponent bits are all set
+      std::uint16_t v;
+      std::memcpy(&v, p + 2 * i, 2);
+      if ((v & 0x7C00u) == 0x7C00u) return false;
     } else {
       float v;
       std::memcpy(&v, p + 4 * i, 4);

@@ -168,28 +168,30 @@ Buffer buffer_of(const V& v) {
 /// Copies factor `f` to (`to_flat`) or from a flat buffer starting at `offset`, in its payload
 /// form: the packed upper triangle column by column (A(0,0), A(0,1), A(1,1), A(0,2), ...), the
 /// whole column-major matrix, or the flat vector. Values read from the flat buffer are scaled.
+/// `S` is the factor's storage type, `T` the flat buffer's arithmetic type (they differ for
+/// kfac::Half factors, which travel as float).
 ///
 /// With a `base` (a buffer of f's shape: the value before this step's update), the increment
 /// travels instead: to_flat writes f - base, and reading sets f = base + scale * flat. Averaging
 /// increments in a reduced-precision payload rounds the increment, not the running average, so
 /// the average converges to the native one (rounding the average itself stalls it).
-template <class Exec, class T, class Flat>
+template <class Exec, class T, class S = T, class Flat>
 void transfer_factor(const Exec& exec, const FactorBuffer& f, const Flat& flat, std::size_t offset,
-                     bool to_flat, T scale = T(1), const T* base = nullptr) {
-  T* data = static_cast<T*>(f.storage.data);
+                     bool to_flat, T scale = T(1), const S* base = nullptr) {
+  S* data = static_cast<S*>(f.storage.data);
   const std::size_t o = offset;
   const bool inc = base != nullptr;
   if (!f.matrix) {
     Kokkos::parallel_for(
         "kfac::comm::transfer_vector", Kokkos::RangePolicy<Exec>(exec, 0, f.n), KOKKOS_LAMBDA(int i) {
-          const T b = inc ? base[i] : T(0);
-          if (to_flat) flat(o + i) = data[i] - b; else data[i] = b + flat(o + i) * scale;
+          const T b = inc ? T(base[i]) : T(0);
+          if (to_flat) flat(o + i) = T(data[i]) - b; else data[i] = S(b + T(flat(o + i)) * scale);
         });
     return;
   }
-  using M = Kokkos::View<T**, Kokkos::LayoutLeft, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  using M = Kokkos::View<S**, Kokkos::LayoutLeft, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   M m(data, f.n, f.n);
-  M bm(const_cast<T*>(inc ? base : data), f.n, f.n);
+  M bm(const_cast<S*>(inc ? base : data), f.n, f.n);
   const int n = f.n;
   const bool packed = f.packed;
   Kokkos::parallel_for(
@@ -197,8 +199,8 @@ void transfer_factor(const Exec& exec, const FactorBuffer& f, const Flat& flat, 
         const std::size_t col = packed ? o + std::size_t(j) * (j + 1) / 2 : o + std::size_t(j) * n;
         const int rows = packed ? j + 1 : n;
         for (int i = 0; i < rows; ++i) {
-          const T b = inc ? bm(i, j) : T(0);
-          if (to_flat) flat(col + i) = m(i, j) - b; else m(i, j) = b + flat(col + i) * scale;
+          const T b = inc ? T(bm(i, j)) : T(0);
+          if (to_flat) flat(col + i) = T(m(i, j)) - b; else m(i, j) = S(b + T(flat(col + i)) * scale);
         }
       });
 }

@@ -11,6 +11,7 @@
 
 #include "kfac/core/agreement.hpp"
 #include "kfac/core/backup.hpp"
+#include "kfac/core/half.hpp"
 #include "kfac/distributed/comm_precision.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/error.hpp"
@@ -31,17 +32,21 @@ long nonfinite_in(const Exec& exec, const Buffer& b) {
   using U = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
   if (b.scalar_size == 8)
     return count_nonfinite(exec, Kokkos::View<const double*, M, U>(static_cast<const double*>(b.data), b.count));
+  if (b.scalar_size == 2)
+    return count_nonfinite(exec, Kokkos::View<const Half*, M, U>(static_cast<const Half*>(b.data), b.count));
   return count_nonfinite(exec, Kokkos::View<const float*, M, U>(static_cast<const float*>(b.data), b.count));
 }
 
 /// The rank each averaged buffer of layer l is reduced to (-1: every rank). Only a block whose
-/// averaged buffers are its decomposable units (K-FAC's A and G) can be reduced to an owner.
+/// averaged buffers are its decomposable units (K-FAC's A and G) can be reduced to an owner, and
+/// only float and double factors (kfac::Half ones are summed to every rank, rounded once).
 template <class Block, class Dist>
 std::vector<int> factor_owners(Block& b, const Dist& dist, const Options& o, std::size_t l) {
   const auto state = b.averaged_state();
   const bool units = b.units() > 0 && int(state.size()) == b.units();
   std::vector<int> owners;
-  for (std::size_t k = 0; k < state.size(); ++k) owners.push_back(units ? dist.factor_owner(o, l, int(k)) : -1);
+  for (std::size_t k = 0; k < state.size(); ++k)
+    owners.push_back(units && state[k].storage.scalar_size != 2 ? dist.factor_owner(o, l, int(k)) : -1);
   return owners;
 }
 

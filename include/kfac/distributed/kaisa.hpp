@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
+#include "kfac/core/half.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/distributed/bucketing.hpp"
 #include "kfac/distributed/staging.hpp"
@@ -97,11 +98,13 @@ struct Kaisa {
     int factor_owner(const Options& o, std::size_t l, int u) const {
       return o.reduce_to_owner && comm_.size() > 1 ? assignment_.decomposer(l, u) : -1;
     }
-    /// Averages the buffers in buckets of at most bucket_bytes, per scalar size (float first),
-    /// symmetric factors as packed triangles: those of every rank (owner -1) over all ranks,
+    /// Averages the buffers in buckets of at most bucket_bytes, per scalar size (binary16, then
+    /// float, then double), symmetric factors as packed triangles: those of every rank (owner -1) over all ranks,
     /// bit-identical on every rank; then, owner by owner in rank order, the others to their
     /// owner only. The order depends only on the assignment, so every rank takes part in the
     /// same collectives (impl::factor_buckets; the cost model replays the same function).
+    /// kfac::Half factors travel as float (as bfloat16 increments with that payload) and are
+    /// rounded back once, after the average; they are always summed to every rank.
     void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
       if (comm_.size() == 1) return;
       std::vector<std::size_t> counts;
@@ -144,7 +147,7 @@ struct Kaisa {
     bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
 
    private:
-    template <class T>
+    template <class T, class S = T>
     void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& items,
                     const impl::Bucket& bucket, CommPrecision payload, int root) {
       const std::size_t count = impl::bucket_count(bucket);
@@ -155,7 +158,7 @@ struct Kaisa {
       std::size_t off = 0;
       for (const auto& p : bucket) {  // pack
         const auto& f = items[p.item];
-        impl::transfer_factor<Exec, T>(exec, f, flat, off, true, T(1), root >= 0 ? nullptr : static_cast<const T*>(f.base));
+        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, true, T(1), root >= 0 ? nullptr : static_cast<const S*>(f.base));
         off += p.count;
       }
       impl::sum_payload(exec, comm_, flat.data(), count, sizeof(T), payload, payload_, root);
@@ -164,7 +167,7 @@ struct Kaisa {
       off = 0;
       for (const auto& p : bucket) {  // unpack and average
         const auto& f = items[p.item];
-        impl::transfer_factor<Exec, T>(exec, f, flat, off, false, inv_world, static_cast<const T*>(f.base));
+        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, false, inv_world, static_cast<const S*>(f.base));
         off += p.count;
       }
     }

@@ -325,9 +325,10 @@ class CostModel {
       if (l.kronecker && (l.a_dim < 1 || l.g_dim < 1))
         throw Error(l.name, "cost model: expected a_dim >= 1 and g_dim >= 1");
       if (!l.kronecker && l.channels < 1) throw Error(l.name, "cost model: expected channels >= 1");
-      if ((l.factor_scalar != 4 && l.factor_scalar != 8) ||
+      if ((l.factor_scalar != 2 && l.factor_scalar != 4 && l.factor_scalar != 8) ||
           (l.decomposition_scalar != 4 && l.decomposition_scalar != 8))
-        throw Error(l.name, "cost model: scalar sizes must be 4 (float) or 8 (double)");
+        throw Error(l.name, "cost model: factor scalar sizes must be 2 (kfac::Half), 4 (float) or "
+                            "8 (double), decomposition sizes 4 or 8");
     }
   }
 
@@ -448,7 +449,7 @@ class CostModel {
   }
 
   /// Replays the factor averaging of kfac::Kaisa: the collectives of impl::factor_buckets
-  /// (per storage type, float first; with reduce_to_owner, each decomposed factor summed only
+  /// (per storage type: binary16, which travels as float, float, double; with reduce_to_owner, each decomposed factor summed only
   /// to its decomposer: one MPI_Reduce, counted once, instead of a reduce and a broadcast).
   void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Options& o) const {
     if (p.world == 1) return;
@@ -462,17 +463,18 @@ class CostModel {
       for (std::size_t k = 0; k < c.size(); ++k) {
         counts.push_back(c[k]);
         sizes.push_back(layers_[l].factor_scalar);
-        owners.push_back(units && o.reduce_to_owner ? p.assignment.decomposer(l, int(k)) : -1);
+        owners.push_back(units && o.reduce_to_owner && layers_[l].factor_scalar != 2 ? p.assignment.decomposer(l, int(k)) : -1);
       }
     }
     for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
-      const std::size_t payload = o.comm_precision == CommPrecision::native    ? b.scalar_size
+      const std::size_t size = impl::flat_scalar_size(b.scalar_size);  // the flat buffer's scalar
+      const std::size_t payload = o.comm_precision == CommPrecision::native    ? size
                                   : o.comm_precision == CommPrecision::float32 ? 4
                                                                                : 2;
       const std::size_t count = impl::bucket_count(b.bucket);
       const bool everyone = b.owner < 0;
       sent += (everyone ? 2 : 1) * count * payload;
-      staging = std::max(staging, count * b.scalar_size);
+      staging = std::max(staging, count * size);
       p.factor_comm_seconds += everyone ? machine_.allreduce_seconds(count * payload, p.world)
                                         : machine_.collective_seconds(count * payload, p.world);
       ++p.factor_collectives;

@@ -46,6 +46,26 @@ void accumulate_factor(const Exec& exec, const std::vector<RMatrix>& list, F alp
   }
 }
 
+/// \brief The same update for factors stored in a narrower type (kfac::Half): the new Gram
+/// product is formed in the arithmetic type `C` (float) in a scratch matrix, then
+/// \f$f = \mathrm{round}(\beta_0 f + \text{new})\f$ entry by entry, so each stored value is
+/// rounded once per update. The scratch (n x n, or n x 1, in C) lives only during the call.
+template <bool diagonal, bool full, class C, class Exec, class RMatrix, class FMatrix>
+void accumulate_stored_factor(const Exec& exec, const std::vector<RMatrix>& list, C alpha, C beta0,
+                              const FMatrix& f) {
+  using S = typename FMatrix::non_const_value_type;
+  Kokkos::View<C**, Kokkos::LayoutLeft, typename Exec::memory_space> fresh(
+      "kfac::layer::fresh_factor", f.extent(0), f.extent(1));
+  accumulate_factor<diagonal, full>(exec, list, alpha, C(0), fresh);
+  const int rows = int(f.extent(0)), cols = int(f.extent(1));
+  const bool keep = beta0 != C(0);  // beta0 = 0 ignores f, as BLAS does
+  Kokkos::parallel_for(
+      "kfac::layer::store_factor", Kokkos::RangePolicy<Exec>(exec, 0, cols), KOKKOS_LAMBDA(int j) {
+        for (int i = 0; i < rows; ++i)
+          f(i, j) = S(keep ? beta0 * C(f(i, j)) + fresh(i, j) : fresh(i, j));
+      });
+}
+
 }  // namespace impl
 
 /// \brief K-FAC state of one layer whose Fisher block is approximated by \f$G \otimes A\f$.
@@ -61,12 +81,13 @@ template <class LayerType, class FactorPolicy, class InversePolicy, class Prec, 
 class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   static_assert(LayerType::is_kronecker, "KroneckerLayer needs a Kronecker layer type");
   using F = typename Prec::factor_type;
+  using C = impl::arithmetic_t<F>;  // observation rows and Gram products: float for Half
   using D = typename Prec::decomposition_type;
   using FMatrix = impl::Matrix<F, Exec>;
   using DMatrix = impl::Matrix<D, Exec>;
   // Observation rows keep the host framework's row-major layout: filling them is a contiguous
   // copy, and BLAS reads them as the column-major transpose (syrk without a transpose).
-  using RMatrix = Kokkos::View<F**, Kokkos::LayoutRight, typename Exec::memory_space>;
+  using RMatrix = Kokkos::View<C**, Kokkos::LayoutRight, typename Exec::memory_space>;
   using Fact = typename InversePolicy::template Factorization<D, Exec>;
   static constexpr bool diagonal = FactorPolicy::is_diagonal;
 
@@ -135,7 +156,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   }
   bool observations_overflow() const override {
     if (a_norm_ == 0 || g_norm_ == 0) return false;
-    const double big = double(std::numeric_limits<F>::max());
+    const double big = impl::largest_value<F>();
     return !(a_trace_ / a_norm_ <= big) || !(g_trace_ / g_norm_ <= big);
   }
   std::string observations_problem() const override {
@@ -148,7 +169,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     if (observations_overflow())
       return "observations would overflow the factor type (trace of the new A " +
              std::to_string(a_trace_ / a_norm_) + ", G " + std::to_string(g_trace_ / g_norm_) +
-             "; largest value " + std::to_string(double(std::numeric_limits<F>::max())) + ")";
+             "; largest value " + std::to_string(impl::largest_value<F>()) + ")";
     return {};
   }
   void clear_observations() override {
@@ -311,8 +332,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     if (fa_) r.decomposition_bytes = fa_->bytes() + fg_->bytes();
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
     r.workspace_bytes = (x_.size() + work_.size() + out_.size()) * sizeof(D);
-    for (const auto& v : a_rows_) r.workspace_bytes += v.size() * sizeof(F);
-    for (const auto& v : g_rows_) r.workspace_bytes += v.size() * sizeof(F);
+    for (const auto& v : a_rows_) r.workspace_bytes += v.size() * sizeof(C);
+    for (const auto& v : g_rows_) r.workspace_bytes += v.size() * sizeof(C);
     return r;
   }
 
@@ -336,13 +357,13 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   const FMatrix& factor_a() const { return a_; }
   const FMatrix& factor_g() const { return g_; }
   /// The packed upper triangle of A or G (column by column: A(0,0), A(0,1), A(1,1), A(0,2), ...),
-  /// n(n+1)/2 values: what distribution sends for Symmetric factors.
-  Kokkos::View<F*, typename Exec::memory_space> packed_factor(int which) const {
+  /// n(n+1)/2 values: what distribution sends for Symmetric factors (as float for Half).
+  Kokkos::View<C*, typename Exec::memory_space> packed_factor(int which) const {
     static_assert(!diagonal, "packed_factor: diagonal factors have no triangle");
     const FMatrix f = which == 0 ? a_ : g_;
     const index_t n = index_t(f.extent(0));
-    Kokkos::View<F*, typename Exec::memory_space> p("kfac::layer::packed", std::size_t(n) * (n + 1) / 2);
-    impl::transfer_factor<Exec, F>(Exec(), impl::FactorBuffer{impl::buffer_of(f), n, true, true}, p, 0, true);
+    Kokkos::View<C*, typename Exec::memory_space> p("kfac::layer::packed", std::size_t(n) * (n + 1) / 2);
+    impl::transfer_factor<Exec, C, F>(Exec(), impl::FactorBuffer{impl::buffer_of(f), n, true, true}, p, 0, true);
     return p;
   }
   const Fact* decomposition_a() const { return fa_.get(); }
@@ -372,8 +393,13 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   void accumulate(const Exec& exec, const std::vector<RMatrix>& list, double norm, double decay,
                   const FMatrix& f) {
     const double new_weight = has_factors_ ? 1.0 - decay : 1.0;
-    impl::accumulate_factor<diagonal, std::is_same<FactorPolicy, Full>::value>(
-        exec, list, F(new_weight / norm), F(has_factors_ ? decay : 0.0), f);
+    constexpr bool full = std::is_same<FactorPolicy, Full>::value;
+    if constexpr (std::is_same<F, C>::value)
+      impl::accumulate_factor<diagonal, full>(exec, list, F(new_weight / norm),
+                                              F(has_factors_ ? decay : 0.0), f);
+    else
+      impl::accumulate_stored_factor<diagonal, full>(exec, list, C(new_weight / norm),
+                                                     C(has_factors_ ? decay : 0.0), f);
   }
 
   LayerType layer_;

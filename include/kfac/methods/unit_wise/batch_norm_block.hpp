@@ -24,6 +24,9 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
   static_assert(std::is_same<FactorPolicy, UnitWise>::value ||
                     std::is_same<FactorPolicy, Diagonal>::value,
                 "BatchNorm2d takes the factor policy kfac::UnitWise or kfac::Diagonal");
+  static_assert(!std::is_same<typename Prec::factor_type, Half>::value,
+                "BatchNorm2d: half-precision factors (kfac::Half) are for Kronecker layers; its "
+                "unit-wise Fisher is 3 values per channel: store it in float or double");
   using F = typename Prec::factor_type;
   using D = typename Prec::decomposition_type;
   using Stored = Kokkos::View<Scalar****, Kokkos::LayoutRight, typename Exec::memory_space>;
