@@ -99,8 +99,8 @@ struct Kaisa {
       return o.reduce_to_owner && comm_.size() > 1 ? assignment_.decomposer(l, u) : -1;
     }
     /// Averages the buffers in buckets of at most bucket_bytes, per scalar size (binary16, then
-    /// float, then double), symmetric factors as packed triangles: those of every rank (owner -1) over all ranks,
-    /// bit-identical on every rank; then, owner by owner in rank order, the others to their
+    /// float, then double), symmetric factors as packed triangles: those of every rank (owner
+    /// -1) over all ranks, bit-identical on every rank; then, owner by owner in rank order, the others to their
     /// owner only. The order depends only on the assignment, so every rank takes part in the
     /// same collectives (impl::factor_buckets; the cost model replays the same function).
     /// kfac::Half factors travel as float (as bfloat16 increments with that payload) and are
@@ -118,7 +118,8 @@ struct Kaisa {
       for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
         std::vector<impl::FactorBuffer> mine;
         for (std::size_t i : b.items) mine.push_back(all[i]);
-        if (b.scalar_size == 4) sum_bucket<float>(exec, mine, b.bucket, o.comm_precision, b.owner);
+        if (b.scalar_size == 2) sum_bucket<float, Half>(exec, mine, b.bucket, o.comm_precision, b.owner);
+        else if (b.scalar_size == 4) sum_bucket<float>(exec, mine, b.bucket, o.comm_precision, b.owner);
         else sum_bucket<double>(exec, mine, b.bucket, o.comm_precision, b.owner);
       }
     }
