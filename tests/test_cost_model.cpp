@@ -96,6 +96,28 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[cost_model
     CHECK(kfac::CostModel(f).predict(2, kfac::Options{}.with_comm_precision(kfac::CommPrecision::float32))
               .ranks[0].factor_bytes_sent == 2 * 4 * (tri(6) + tri(4)));
   }
+  SECTION("reduce-to-owner: one reduce contribution per decomposed factor") {
+    // BatchNorm's 9 values still go to every rank (reduce + broadcast).
+    const std::size_t owner = 8 * (tri(6) + tri(4) + tri(5) + tri(3) + tri(19) + tri(3)) + 2 * 8 * 9;
+    for (int world : {2, 3, 4})
+      for (double f : {1.0, 1.0 / world}) {
+        const auto p = kfac::CostModel(small_net()).predict(world, kfac::Options{}.with_grad_worker_fraction(f).with_reduce_to_owner(true));
+        for (int r = 0; r < world; ++r) CHECK(p.ranks[std::size_t(r)].factor_bytes_sent == owner);
+      }
+    // Buckets per owner (world 2, COMM-OPT, colocated): the closed form alone, then one bucket
+    // per owner of the Kronecker factors.
+    const auto p = kfac::CostModel(small_net()).predict(2, kfac::Options{}.with_reduce_to_owner(true));
+    CHECK(p.factor_collectives == 3);
+    // The issue-16 MLP at 4 ranks: factor bytes 0.5x those of the allreduce.
+    std::vector<kfac::LayerShape> mlp{kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>("fc1", kfac::Dense(784, 256)),
+                                      kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>("fc2", kfac::Dense(256, 256)),
+                                      kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>("fc3", kfac::Dense(256, 10))};
+    for (double f : {1.0, 0.5, 0.25}) {
+      const auto all = kfac::CostModel(mlp).predict(4, f);
+      const auto own = kfac::CostModel(mlp).predict(4, kfac::Options{}.with_grad_worker_fraction(f).with_reduce_to_owner(true));
+      CHECK(2 * own.ranks[0].factor_bytes_sent == all.ranks[0].factor_bytes_sent);
+    }
+  }
   SECTION("buckets") {
     // Payloads 21, 10, 15, 6, 190, 6, 9 values in buckets of 32: [21 10] [15 6] [190] [6 9].
     const auto p = kfac::CostModel(small_net()).predict(2, kfac::Options{}.with_bucket_bytes(256));

@@ -71,6 +71,11 @@ TEST_CASE("cost model bytes, memory and assignment equal a distributed run", "[m
     check(options(1.0).with_colocate_factors(false).with_precompute_reciprocal(true));
   }
   SECTION("MEM-OPT") { check(options(1.0 / size)); }
+  SECTION("reduce-to-owner: MEM-OPT, COMM-OPT with A and G apart, float32 payloads") {
+    check(options(1.0 / size).with_reduce_to_owner(true));
+    check(options(1.0).with_reduce_to_owner(true).with_colocate_factors(false));
+    check(options(1.0).with_reduce_to_owner(true).with_comm_precision(kfac::CommPrecision::float32));
+  }
   SECTION("MEM-OPT, memory-balanced placement, bfloat16 payloads") {
     check(options(1.0 / size).with_assignment_cost(kfac::AssignmentCost::memory).with_comm_precision(kfac::CommPrecision::bfloat16));
   }
@@ -79,6 +84,7 @@ TEST_CASE("cost model bytes, memory and assignment equal a distributed run", "[m
   }
   if (size % 2 == 0 && size > 2) {
     SECTION("HYBRID 0.5") { check(options(0.5)); }
+    SECTION("HYBRID 0.5, reduce-to-owner") { check(options(0.5).with_reduce_to_owner(true)); }
     SECTION("HYBRID 0.5, worker groups of consecutive ranks") {
       check(options(0.5).with_group_layout(kfac::GroupLayout::contiguous_workers).with_colocate_factors(false));
     }

@@ -70,11 +70,12 @@ void register_all(P& pre) {
   pre.template register_layer<kfac::BatchNorm2d>("bn", kfac::BatchNorm2d(3));
 }
 
-/// Runs `steps` steps; observations are shard `rank` of `ranks`; returns all gradients, flattened.
+/// Runs `steps` steps from data step `first`; observations are shard `rank` of `ranks`; returns
+/// all gradients, flattened.
 template <class P>
-std::vector<double> run(P& pre, int rank, int ranks, int steps) {
+std::vector<double> run(P& pre, int rank, int ranks, int steps, int first = 0) {
   std::vector<double> out;
-  for (int s = 0; s < steps; ++s) {
+  for (int s = first; s < first + steps; ++s) {
     Problem p(world_size(), s);  // same global data for every world size
     const int total = world_size();
     // Single process: ranks == 1 sees the whole batch of `total` shards.
@@ -112,6 +113,23 @@ kfac::Options options(double fraction) {
       .with_bucket_bytes(256);  // small buckets: several collectives per update
 }
 
+/// The upper triangles of the Kronecker factors (A, then G) of fc1, fc2 and conv.
+template <class P>
+std::vector<double> factors_of(const P& pre) {
+  std::vector<double> out;
+  auto add = [&](const auto& layer) {
+    for (const auto* f : {&layer.factor_a(), &layer.factor_g()})
+      for (std::size_t j = 0; j < f->extent(1); ++j)
+        for (std::size_t i = 0; i <= j; ++i) out.push_back((*f)(i, j));
+  };
+  using Fc = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision, double, Host>;
+  using Conv = kfac::KroneckerLayer<kfac::Conv2d, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision, double, Host>;
+  add(pre.template layer_as<Fc>("fc1"));
+  add(pre.template layer_as<Fc>("fc2"));
+  add(pre.template layer_as<Conv>("conv"));
+  return out;
+}
+
 bool identical_on_all_ranks(const std::vector<double>& v) {
   const std::uint64_t h = kfac::impl::fnv1a(std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double)));
   unsigned long long a[2] = {h, ~h}, r[2];
@@ -126,13 +144,15 @@ double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
 }
 
 template <class Factor, class Inverse = kfac::Eigendecomposition<>>
-void check_strategy(double fraction) {
+void check_strategy(double fraction, bool to_owner = false, bool colocate = true) {
   const int rank = world_rank(), size = world_size();
   kfac::Preconditioner<double, Host> single(options(1.0));
   register_all<Factor, Inverse>(single);
   const auto expect = run(single, 0, 1, 5);
 
-  kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(fraction), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  kfac::Preconditioner<double, Host, kfac::MpiComm> dist(
+      options(fraction).with_reduce_to_owner(to_owner).with_colocate_factors(colocate), Host(),
+      kfac::MpiComm(MPI_COMM_WORLD));
   register_all<Factor, Inverse>(dist);
   const auto got = run(dist, rank, size, 5);
   REQUIRE(got.size() == expect.size());
@@ -157,6 +177,19 @@ TEST_CASE("distributed K-FAC equals the single-process result", "[mpi][distribut
   }
 }
 
+TEST_CASE("reduce-to-owner equals the single-process result", "[mpi][distributed][owner]") {
+  const int size = world_size();
+  SECTION("COMM-OPT, symmetric") { check_strategy<kfac::Symmetric>(1.0, true); }
+  SECTION("COMM-OPT, full, factors apart") { check_strategy<kfac::Full>(1.0, true, false); }
+  SECTION("MEM-OPT, symmetric") { check_strategy<kfac::Symmetric>(1.0 / size, true); }
+  SECTION("MEM-OPT, Cholesky") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size, true); }
+  SECTION("COMM-OPT, Newton-Schulz") { check_strategy<kfac::Symmetric, kfac::NewtonSchulz>(1.0, true); }
+  if (size % 2 == 0 && size > 2) {
+    SECTION("HYBRID 0.5") { check_strategy<kfac::Symmetric>(0.5, true); }
+    SECTION("HYBRID 0.5, factors apart") { check_strategy<kfac::Symmetric>(0.5, true, false); }
+  }
+}
+
 TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes]") {
   const int size = world_size();
   if (size == 1) return;
@@ -176,6 +209,18 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes
   const std::size_t full = 2 * 8 * (36 + 16 + 25 + 9 + 361 + 9 + 9);
   CHECK(bytes_for(kfac::Symmetric{}) == packed);
   CHECK(bytes_for(kfac::Full{}) == full);
+  // Reduce-to-owner (COMM-OPT: no gradient broadcasts): one MPI_Reduce contribution per
+  // decomposed factor; BatchNorm's closed form is still summed to every rank.
+  kfac::MpiComm comm(MPI_COMM_WORLD);
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
+      options(1.0).with_bucket_bytes(1 << 20).with_reduce_to_owner(true), Host(), comm);
+  register_all<kfac::Symmetric>(pre);
+  run(pre, world_rank(), size, 1);
+  comm.reset_bytes();
+  run(pre, world_rank(), size, 1);
+  const std::size_t owner = 8 * (tri(6) + tri(4) + tri(5) + tri(3) + tri(19) + tri(3)) + 2 * 8 * 9;
+  CHECK(comm.bytes_sent() == owner);
+  CHECK(owner < packed * 55 / 100);
 }
 
 TEST_CASE("MEM-OPT keeps one copy of each decomposition across ranks", "[mpi][memory]") {
@@ -227,6 +272,18 @@ TEST_CASE("mismatched registration raises the same error on every rank", "[mpi][
   CHECK(pre.step_count() == 0);
 }
 
+TEST_CASE("ranks that disagree on reduce_to_owner raise the same error and change nothing", "[mpi][errors][owner]") {
+  // The option changes which collectives run; the registration check refuses it before any.
+  const int rank = world_rank(), size = world_size();
+  if (size == 1) return;
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0).with_reduce_to_owner(rank == size - 1), Host(),
+                                                        kfac::MpiComm(MPI_COMM_WORLD));
+  register_all<kfac::Symmetric>(pre);
+  CHECK_THROWS_WITH(run(pre, rank, size, 1), Catch::Contains("ranks registered different layers"));
+  CHECK(pre.step_count() == 0);
+  CHECK_FALSE(pre.layer("fc1").has_factors());
+}
+
 TEST_CASE("GradientAverager averages bucketed gradients bit-identically", "[mpi][data_parallel]") {
   const int rank = world_rank(), size = world_size();
   Rng rng(99 + rank);
@@ -276,33 +333,9 @@ TEST_CASE("distributed checkpoints resume bit-identically; factors restore at an
   auto resumed = make();
   std::istringstream is(os.str(), std::ios::binary);
   CHECK(resumed->load(is));
-  // run() draws data from its own step index, so continue with steps 3..5 by hand
-  std::vector<double> tail;
-  {
-    auto all = head;
-    for (int s = 3; s < 6; ++s) {
-      Problem p(size, s);
-      auto sh2 = [&](const V2& v) { return shard(v, rank, size); };
-      auto sh4 = [&](const V4& v) { return shard4(v, rank, size); };
-      if (resumed->wants_observations()) {
-        resumed->observe_input("fc1", sh2(p.x1)); resumed->observe_output_grad("fc1", sh2(p.g1));
-        resumed->observe_input("fc2", sh2(p.x2)); resumed->observe_output_grad("fc2", sh2(p.g2));
-        resumed->observe_input("conv", sh4(p.xc)); resumed->observe_output_grad("conv", sh4(p.gc));
-        resumed->observe_input("bn", sh4(p.xb)); resumed->observe_output_grad("bn", sh4(p.gb));
-      }
-      resumed->set_gradient("fc1", p.w1, p.b1);
-      resumed->set_gradient("fc2", p.w2, p.b2);
-      resumed->set_gradient("conv", p.wc, p.bc);
-      resumed->set_gradient("bn", p.gamma, p.beta);
-      resumed->step();
-      for (auto* v : {&p.w1, &p.w2})
-        for (std::size_t i = 0; i < v->span(); ++i) all.push_back(v->data()[i]);
-      for (auto* v : {&p.b1, &p.b2, &p.bc, &p.gamma, &p.beta})
-        for (std::size_t i = 0; i < v->span(); ++i) all.push_back(v->data()[i]);
-      for (std::size_t i = 0; i < p.wc.span(); ++i) all.push_back(p.wc.data()[i]);
-    }
-    tail = all;
-  }
+  auto tail = head;
+  const auto more = run(*resumed, rank, size, 3, 3);
+  tail.insert(tail.end(), more.begin(), more.end());
   CHECK(tail == expect);  // bit-identical to the uninterrupted run
 
   // A single-process checkpoint restores its (global) factors on every rank of any world size;
@@ -317,6 +350,58 @@ TEST_CASE("distributed checkpoints resume bit-identically; factors restore at an
   CHECK(fresh->load(is1) == (size == 1));
   CHECK(fresh->step_count() == 3);
   CHECK(fresh->layer("fc1").has_factors());
+}
+
+TEST_CASE("reduce-to-owner checkpoints hold the global factors", "[mpi][checkpoint][owner]") {
+  const int rank = world_rank(), size = world_size();
+  using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
+  auto make = [&](double f) {
+    auto p = std::make_unique<DPre>(options(f).with_reduce_to_owner(true), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    register_all<kfac::Symmetric>(*p);
+    return p;
+  };
+  kfac::Preconditioner<double, Host> single(options(1.0)), single3(options(1.0));
+  register_all<kfac::Symmetric>(single);
+  register_all<kfac::Symmetric>(single3);
+  auto expect = run(single, 0, 1, 6);
+  run(single3, 0, 1, 3);
+  for (double f : {1.0, 1.0 / size}) {
+    INFO("fraction " << f);
+    // Same world size: resumes bit-identically with the uninterrupted run.
+    auto full = make(f);
+    const auto all = run(*full, rank, size, 6);
+    auto first = make(f);
+    auto got = run(*first, rank, size, 3);
+    std::ostringstream os(std::ios::binary);
+    first->save(os);  // collective: the owners share their factors
+    auto resumed = make(f);
+    std::istringstream is(os.str(), std::ios::binary);
+    CHECK(resumed->load(is));
+    const auto tail = run(*resumed, rank, size, 3, 3);
+    got.insert(got.end(), tail.begin(), tail.end());
+    CHECK(got == all);
+    CHECK(rel_diff(got, expect) < 1e-10);
+    CHECK(identical_on_all_ranks(got));
+    // Another world size: every rank's checkpoint holds the global factors, which restore in
+    // one process (decompositions are per-rank state, recomputed when W > 1).
+    kfac::Preconditioner<double, Host> one(options(1.0));
+    register_all<kfac::Symmetric>(one);
+    std::istringstream is1(os.str(), std::ios::binary);
+    CHECK(one.load(is1) == (size == 1));
+    CHECK(rel_diff(factors_of(one), factors_of(single3)) < 1e-10);
+  }
+  // And a single-process checkpoint restores into a reduce-to-owner job as into an allreduce
+  // one (both recompute the decompositions when W > 1).
+  std::ostringstream os(std::ios::binary);
+  single3.save(os);
+  auto job = make(1.0 / size);
+  DPre plain(options(1.0 / size), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  register_all<kfac::Symmetric>(plain);
+  std::istringstream is(os.str(), std::ios::binary), is2(os.str(), std::ios::binary);
+  CHECK(job->load(is) == plain.load(is2));
+  const auto got = run(*job, rank, size, 3, 3);
+  CHECK(rel_diff(got, run(plain, rank, size, 3, 3)) < 1e-10);
+  CHECK(identical_on_all_ranks(got));
 }
 
 TEST_CASE("every rank may load rank 0's checkpoint", "[mpi][checkpoint]") {

@@ -31,6 +31,7 @@
 /// model's ResNet-50 table (one rank).
 ///
 /// Usage: mpiexec -n N bench_distributed [--model mlp|resnet|small|all] [--strategies comm,hybrid,mem]
+///          (each also as comm+own, hybrid+own, mem+own: with Options::reduce_to_owner)
 ///          [--reps 5] [--warmup 6] [--batch 256] [--conv-batch 16] [--shards 1]
 ///          [--figures measured|defaults] [--csv FILE] [--calibrate]
 ///          [--resnet50-table [--bandwidth B] [--latency L] [--eigen-seconds-per-n3 S] [--gemm-flops F]]
@@ -405,6 +406,7 @@ struct Config {
 struct Strategy {
   std::string name;
   double fraction;
+  bool to_owner = false;  ///< Options::reduce_to_owner
 };
 
 /// Strategies that exist at this world size (HYBRID needs 1 < f W < W: 4 ranks or more).
@@ -414,6 +416,10 @@ std::vector<Strategy> strategies(const Config& c) {
     if (s == "comm") v.push_back({"COMM-OPT", 1.0});
     if (s == "hybrid" && g_size >= 4 && g_size % 2 == 0) v.push_back({"HYBRID", 0.5});
     if (s == "mem" && g_size > 1) v.push_back({"MEM-OPT", 1.0 / g_size});
+    // The same with reduce-to-owner (factors summed only to their decomposers).
+    if (s == "comm+own" && g_size > 1) v.push_back({"COMM-OPT+own", 1.0, true});
+    if (s == "hybrid+own" && g_size >= 4 && g_size % 2 == 0) v.push_back({"HYBRID+own", 0.5, true});
+    if (s == "mem+own" && g_size > 1) v.push_back({"MEM-OPT+own", 1.0 / g_size, true});
   }
   return v;
 }
@@ -431,7 +437,7 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
             std::FILE* csv) {
   const std::string started = clock_time();
   kfac::MpiComm comm(MPI_COMM_WORLD);
-  const kfac::Options opts = bench_options(st.fraction, c.warmup);
+  const kfac::Options opts = bench_options(st.fraction, c.warmup).with_reduce_to_owner(st.to_owner);
   Pre pre(opts, Host(), comm);
   for (const auto& s : m.layers) s.visit([&](const auto& layer) { pre.register_layer(s.name, layer); });
   Data d(m, unsigned(g_rank * c.shards), unsigned(c.shards));

@@ -59,6 +59,7 @@ struct KfacSettings {
   /// `strategy` and the world size.
   double grad_worker_fraction = 0;
   std::string strategy = "comm-opt";  ///< comm-opt (f = 1), hybrid (f = 1/2), mem-opt (f = 1/world)
+  bool reduce_to_owner = false;       ///< kfac::Options::with_reduce_to_owner
 };
 
 /// \brief The gradient-worker fraction `s` asks for on `world_size` ranks (see KfacSettings).
@@ -83,6 +84,7 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_factor_decay(s.factor_decay)
       .with_factor_update_steps(s.factor_update_steps)
       .with_inv_update_steps(s.inv_update_steps)
+      .with_reduce_to_owner(s.reduce_to_owner)
       .with_loss_reduction(kfac::LossReduction::mean);
 }
 
@@ -125,6 +127,13 @@ class KfacSgd {
 
   /// \brief The KL-clip scale of the last step (1 = unclipped), for diagnostics.
   double last_kl_scale() const { return mpi_ ? mpi_->last_kl_scale() : serial_->last_kl_scale(); }
+  /// \brief Bytes K-FAC's collectives sent from this rank so far (0 on one process).
+  std::size_t bytes_sent() const {
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (mpi_) return mpi_->communicator().bytes_sent();
+#endif
+    return 0;
+  }
 
  private:
   using SerialPreconditioner = kfac::Preconditioner<float, ExecSpace, kfac::SerialComm>;
@@ -229,6 +238,7 @@ class KfacSgd {
   }
   void step(Network&) {}
   double last_kl_scale() const { return 1.0; }
+  std::size_t bytes_sent() const { return 0; }
 };
 
 class GradientSync {

@@ -174,10 +174,11 @@ class Trainer {
   const ParameterAveraging* averaging() const { return averaging_.get(); }
   /// \brief Bytes this rank sent so far: the parameter averager's in averaging mode; in the
   /// synchronous mode the gradient averaging's (measured per step, times the steps taken) plus
-  /// NG-SGD's (0). K-FAC's factor traffic is not included (its communicator is inside KfacSgd).
+  /// NG-SGD's (0) or K-FAC's (factors, decompositions, preconditioned gradients).
   std::size_t bytes_sent() const {
     std::size_t b = averaging_ ? averaging_->bytes_sent() : gradient_bytes_ * std::size_t(steps_taken_);
     if (auto* ngsgd = std::get_if<NgsgdSgd>(&rule_)) b += ngsgd->bytes_sent();
+    if (auto* kfac = std::get_if<KfacSgd>(&rule_)) b += kfac->bytes_sent();
     return b;
   }
 

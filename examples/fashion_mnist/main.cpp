@@ -71,6 +71,7 @@ void usage() {
       "  --strategy comm-opt|hybrid|mem-opt   under mpiexec: KAISA's work assignment for K-FAC, i.e. the\n"
       "                                  gradient-worker fraction 1, 1/2 or 1/P (default comm-opt)\n"
       "  --grad-worker-fraction F        the fraction itself, in [1/P, 1] (overrides --strategy)\n"
+      "  --reduce-to-owner 0|1           under mpiexec: sum each K-FAC factor only to the rank that inverts it (default 0)\n"
       "  --ngsgd-period N --ngsgd-alpha X --ngsgd-rank R   NG-SGD settings (default 4, 4, 20; Kaldi's ranks:\n"
       "                                  --ngsgd-rank -1 = min(20|80, (d+1)/2))\n"
       "  --average-every N               under mpiexec: each rank trains on its own shard, parameters averaged\n"
@@ -167,6 +168,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--inverse") a.train.kfac.inverse = value;
     else if (key == "--strategy") a.train.kfac.strategy = value;
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
+    else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
     else if (key == "--seed" || key == "--seeds") {
       a.seeds.clear();
       for (double v : to_numbers(key, value)) {
@@ -233,6 +235,7 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
       std::snprintf(b, sizeof b, "+f%.3g", f);
       n += b;
     }
+    if (s.kfac.reduce_to_owner) n += "+own";
   }
   return n;
 }
@@ -338,7 +341,7 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
     std::printf("[%s] communication: %.3g MB sent per epoch by rank 0 (%s)\n", name.c_str(),
                 double(trainer.bytes_sent()) / epochs_run / 1e6,
                 s.average_every > 0 ? ("kfac::ParameterAverager, " + std::to_string(trainer.averaging()->averages()) + " averages").c_str()
-                                    : s.optimizer == nn::OptimizerKind::kfac ? "kfac::GradientAverager; K-FAC's factors not counted"
+                                    : s.optimizer == nn::OptimizerKind::kfac ? "kfac::GradientAverager and K-FAC's collectives"
                                                                              : "kfac::GradientAverager, every step");
   }
   return run;
@@ -362,9 +365,10 @@ int run(const Args& args, const nn::World& world) {
     std::printf("\ntimes count training steps only (test evaluations are excluded)\n");
     if (world.size() > 1 && std::find(kinds.begin(), kinds.end(), nn::OptimizerKind::kfac) != kinds.end()) {
       const double f = nn::resolve_grad_worker_fraction(args.train.kfac, world.size());
-      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer)\n",
+      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer)%s\n",
                   f, args.train.kfac.grad_worker_fraction > 0 ? "--grad-worker-fraction" : args.train.kfac.strategy.c_str(),
-                  int(std::lround(f * world.size())), world.size());
+                  int(std::lround(f * world.size())), world.size(),
+                  args.train.kfac.reduce_to_owner ? ", factors reduced to their owners" : "");
     }
   }
 

@@ -184,6 +184,7 @@ class Preconditioner {
     if (!dist_.check_same(sig))
       throw Error("", "ranks registered different layers, shapes, policies or distribution "
                       "options (rank " + std::to_string(communicator().rank()) + " has: " + sig + ")");
+    impl::share_owned_factors(exec_, reg_, dist_, options_, dist_.assignment().layers());  // owners may change
     std::vector<std::vector<impl::UnitCost>> costs(reg_.size());
     for (std::size_t l = 0; l < reg_.size(); ++l)
       for (int u = 0; !reg_[l].skipped && u < reg_[l].block->units(); ++u) costs[l].push_back(reg_[l].block->unit_cost(u));
@@ -201,7 +202,9 @@ class Preconditioner {
 
   /// \brief Writes the whole state (statistics, decompositions unless told not to, schedules,
   /// layer names and signatures) as a versioned, checksummed stream (format: serializer.hpp).
+  /// With Options::reduce_to_owner, collective: the owners share the global factors first.
   void save(std::ostream& os, bool with_decompositions = true) const {
+    impl::share_owned_factors(exec_, reg_, dist_, options_, dist_.assignment().layers());
     const long counters[3] = {step_, last_factor_step_, last_inv_step_};
     impl::save_checkpoint(os, reg_, counters, communicator().size(), communicator().rank(), with_decompositions);
   }

@@ -19,6 +19,30 @@ Kokkos::View<char*, typename Exec::memory_space> copy_of(const Exec& exec, const
   return copy;
 }
 
+/// Sets every byte of `b` to 0 (0.0 in float and double).
+template <class Exec>
+void zero(const Exec& exec, const Buffer& b) {
+  Kokkos::deep_copy(exec, Kokkos::View<char*, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(static_cast<char*>(b.data), b.bytes()), char(0));
+}
+
+/// A copy of `b` (float or double values) times `scale`, in a view of its own.
+template <class Exec>
+Kokkos::View<char*, typename Exec::memory_space> scaled_copy_of(const Exec& exec, const Buffer& b, double scale) {
+  auto copy = copy_of(exec, b);
+  const std::size_t n = b.count;
+  if (b.scalar_size == 8) {
+    auto* p = reinterpret_cast<double*>(copy.data());
+    Kokkos::parallel_for("kfac::statistics::scale", Kokkos::RangePolicy<Exec>(exec, 0, n),
+                         KOKKOS_LAMBDA(std::size_t i) { p[i] *= scale; });
+  } else {
+    auto* p = reinterpret_cast<float*>(copy.data());
+    const float s = float(scale);
+    Kokkos::parallel_for("kfac::statistics::scale", Kokkos::RangePolicy<Exec>(exec, 0, n),
+                         KOKKOS_LAMBDA(std::size_t i) { p[i] *= s; });
+  }
+  return copy;
+}
+
 template <class Exec>
 class StateBackup {
  public:

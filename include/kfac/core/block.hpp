@@ -40,6 +40,9 @@ struct FactorBuffer {
   bool matrix = false;  ///< n x n matrix (else a flat vector of n values)
   bool packed = false;  ///< matrix travels as its upper triangle
   const void* base = nullptr;  ///< the value before this step's update, to send the increment
+  /// The one rank that needs the average (reduce-to-owner; -1: every rank). Such a buffer
+  /// travels as it is, and its owner reads base + the average (base: decay x the old value).
+  int owner = -1;
   std::size_t payload_count() const {
     return matrix ? (packed ? std::size_t(n) * (n + 1) / 2 : std::size_t(n) * n) : std::size_t(n);
   }

@@ -100,6 +100,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | bool | colocate_factors | decompose a layer's A and G on the same rank | true |
 /// | GroupLayout | group_layout | which KAISA groups are consecutive ranks | contiguous_receivers |
 /// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
+/// | bool | reduce_to_owner | reduce each decomposed factor only to the rank that decomposes it (MPI_Reduce), not to every rank; halves the factor bytes; save() becomes collective | false |
 /// | CommPrecision | comm_precision | payload type of factor averaging | native |
 /// | NonFinitePolicy | nonfinite | raise at once, or skip the step on every rank | raise |
 /// | int | max_damping_retries | decomposition failures retried with more damping | 3 |
@@ -119,6 +120,7 @@ struct Options {
   bool colocate_factors = true;
   GroupLayout group_layout = GroupLayout::contiguous_receivers;
   std::size_t bucket_bytes = std::size_t(16) << 20;
+  bool reduce_to_owner = false;
   CommPrecision comm_precision = CommPrecision::native;
   NonFinitePolicy nonfinite = NonFinitePolicy::raise;
   int max_damping_retries = 3;
@@ -138,6 +140,7 @@ struct Options {
   Options& with_colocate_factors(bool b) { colocate_factors = b; return *this; }
   Options& with_group_layout(GroupLayout g) { group_layout = g; return *this; }
   Options& with_bucket_bytes(std::size_t b) { bucket_bytes = b; return *this; }
+  Options& with_reduce_to_owner(bool b) { reduce_to_owner = b; return *this; }
   Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
   Options& with_nonfinite_policy(NonFinitePolicy p) { nonfinite = p; return *this; }
   Options& with_max_damping_retries(int n) { max_damping_retries = n; return *this; }

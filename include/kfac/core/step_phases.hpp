@@ -40,6 +40,36 @@ long nonfinite_in(const Exec& exec, const Buffer& b) {
   return count_nonfinite(exec, Kokkos::View<const float*, M, U>(static_cast<const float*>(b.data), b.count));
 }
 
+/// The rank each averaged buffer of layer l is reduced to (-1: every rank). Only a block whose
+/// averaged buffers are its decomposable units (K-FAC's A and G) can be reduced to an owner, and
+/// only float and double factors (kfac::Half ones are summed to every rank, rounded once).
+template <class Block, class Dist>
+std::vector<int> factor_owners(Block& b, const Dist& dist, const Options& o, std::size_t l) {
+  const auto state = b.averaged_state();
+  const bool units = b.units() > 0 && int(state.size()) == b.units();
+  std::vector<int> owners;
+  for (std::size_t k = 0; k < state.size(); ++k)
+    owners.push_back(units && state[k].storage.scalar_size != 2 ? dist.factor_owner(o, l, int(k)) : -1);
+  return owners;
+}
+
+/// Collective: every rank's copy of a factor reduced to its owner becomes the owner's (the
+/// global average): before a checkpoint is written, and before a new work assignment. Layers
+/// [0, planned) only (those the current assignment knows).
+template <class Scalar, class Exec, class Dist>
+void share_owned_factors(const Exec& exec, const Registry<Scalar, Exec>& reg, const Dist& dist,
+                         const Options& o, std::size_t planned) {
+  std::vector<FactorBuffer> owned;
+  for (std::size_t l = 0; l < planned && l < reg.size(); ++l) {
+    if (reg[l].skipped) continue;
+    auto state = reg[l].block->averaged_state();
+    const auto owners = factor_owners(*reg[l].block, dist, o, l);
+    for (std::size_t k = 0; k < state.size(); ++k)
+      if ((state[k].owner = owners[k]) >= 0) owned.push_back(state[k]);
+  }
+  dist.share_factors(exec, owned);
+}
+
 template <class Scalar, class Exec, class Dist>
 class StepPhases {
  public:
@@ -61,13 +91,27 @@ class StepPhases {
       const bool had = e.block->has_statistics();
       if (decomposes && had)
         for (const auto& b : e.block->checkpoint_state()) backup_.save(exec_, b);
-      std::vector<const void*> bases;  // reduced-precision payloads carry the increment over these
-      for (const auto& f : e.block->averaged_state())
-        bases.push_back(had && dist_.sends_increments(o_, f.storage.scalar_size) ? keep(f.storage) : nullptr);
-      e.block->update_statistics(exec_, due_[l].values.factor_decay);
+      // Reduced-precision payloads carry the increment over the old value. A factor reduced to
+      // its owner is zeroed first, so that it carries only this rank's new term (1 - decay) c_r,
+      // whatever this rank's copy held (only the owner's copy is the global average); the owner
+      // then adds its decay f_old (the base) to the average of the terms.
+      const double decay = due_[l].values.factor_decay;
+      const auto old = e.block->averaged_state();
+      const std::vector<int> owners = factor_owners(*e.block, dist_, o_, l);
+      const int me = dist_.comm().rank();
+      std::vector<const void*> bases;
+      for (std::size_t k = 0; k < old.size(); ++k) {
+        if (!had) bases.push_back(nullptr);
+        else if (owners[k] >= 0) {
+          bases.push_back(owners[k] == me ? keep(old[k].storage, decay) : nullptr);
+          zero(exec_, old[k].storage);
+        } else bases.push_back(dist_.sends_increments(o_, old[k].storage.scalar_size) ? keep(old[k].storage) : nullptr);
+      }
+      e.block->update_statistics(exec_, decay);
       auto now = e.block->averaged_state();  // the first update allocates the storage
       for (std::size_t k = 0; k < now.size(); ++k) {
         now[k].base = bases[k];
+        now[k].owner = k < owners.size() ? owners[k] : -1;
         averaged.push_back(now[k]);
       }
     }
@@ -214,6 +258,11 @@ class StepPhases {
   const void* keep(const Buffer& b) {
     if (const void* saved = backup_.copy_for(b)) return saved;  // already copied for a rollback
     kept_.push_back(copy_of(exec_, b));
+    return kept_.back().data();
+  }
+  /// A copy of `b` times `scale` that lives until the end of the step.
+  const void* keep(const Buffer& b, double scale) {
+    kept_.push_back(scaled_copy_of(exec_, b, scale));
     return kept_.back().data();
   }
 

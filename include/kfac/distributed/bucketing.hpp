@@ -62,5 +62,42 @@ inline std::size_t bucket_count(const Bucket& b) {
   return n;
 }
 
+/// The scalar a factor of `storage` bytes travels as: kfac::Half (2) as float, others as stored.
+inline std::size_t flat_scalar_size(std::size_t storage) { return storage == 2 ? 4 : storage; }
+
+/// One factor-averaging collective: buffers of one scalar size summed to one owner (-1: to
+/// every rank). `items` index the caller's list; the pieces of `bucket` index `items`.
+struct FactorBucket {
+  std::size_t scalar_size = 0;
+  int owner = -1;
+  std::vector<std::size_t> items;
+  Bucket bucket;
+};
+
+/// \brief The factor-averaging collectives of factors with `counts[i]` payload values of
+/// `sizes[i]` bytes each, summed to `owners[i]` (-1: every rank): per storage size (binary16,
+/// float, double), the factors of every rank first, then owner by owner in rank order, each group cut
+/// by plan_buckets into buckets of at most `bucket_bytes` of the flat scalar (items kept whole). kfac::Kaisa sends
+/// exactly these, and the cost model counts them.
+inline std::vector<FactorBucket> factor_buckets(const std::vector<std::size_t>& counts,
+                                                const std::vector<std::size_t>& sizes,
+                                                const std::vector<int>& owners, std::size_t bucket_bytes) {
+  std::vector<FactorBucket> out;
+  int last = -1;
+  for (int o : owners) last = std::max(last, o);
+  for (std::size_t size : {std::size_t(2), std::size_t(4), std::size_t(8)})
+    for (int owner = -1; owner <= last; ++owner) {
+      std::vector<std::size_t> items, c;
+      for (std::size_t i = 0; i < counts.size(); ++i)
+        if (sizes[i] == size && owners[i] == owner) {
+          items.push_back(i);
+          c.push_back(counts[i]);
+        }
+      for (auto& b : plan_buckets(c, bucket_bytes / flat_scalar_size(size), false))
+        out.push_back({size, owner, items, std::move(b)});
+    }
+  return out;
+}
+
 }  // namespace impl
 }  // namespace kfac

@@ -43,6 +43,8 @@ struct Independent {
     bool sends_increments(const Options&, std::size_t) const { return false; }
     double payload_max(const Options&) const { return HUGE_VAL; }
     void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
+    int factor_owner(const Options&, std::size_t, int) const { return -1; }
+    void share_factors(const Exec&, const std::vector<impl::FactorBuffer>&) const {}
     void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}
     void share_gradient(std::size_t, const impl::Buffer&) {}
     bool shares_gradients() const { return false; }

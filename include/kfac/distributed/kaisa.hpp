@@ -4,6 +4,8 @@
 /// decomposable unit computed on one rank and shared within its layer's worker group, and
 /// preconditioned gradients sent to the gradient receivers. Gradient-worker fraction 1 is
 /// COMM-OPT, 1/world MEM-OPT, values in between HYBRID (Options::grad_worker_fraction).
+/// With Options::reduce_to_owner a decomposed factor is summed only to its decomposer (as
+/// Osawa et al. 2019 reduce-scatter factors to the ranks that invert them): half the bytes.
 ///
 /// Contract of a distribution policy (see also kfac::Independent): a tag type with
 /// `distribution_tag` and a nested `State<Exec, Comm>` the Preconditioner builds, with
@@ -42,7 +44,7 @@ struct Kaisa {
       return "kaisa:f=" + std::to_string(o.grad_worker_fraction) +
              ";c=" + std::to_string(int(o.assignment_cost)) +
              ";co=" + std::to_string(int(o.colocate_factors)) + ";g=" + std::to_string(int(o.group_layout)) +
-             ";p=" + std::to_string(int(o.comm_precision)) + ";";
+             ";p=" + std::to_string(int(o.comm_precision)) + ";o=" + std::to_string(int(o.reduce_to_owner)) + ";";
     }
     /// Collective: true on every rank when every rank passed the same signature.
     bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
@@ -91,27 +93,45 @@ struct Kaisa {
       if (comm_.size() == 1 || o.comm_precision == CommPrecision::native) return HUGE_VAL;
       return o.comm_precision == CommPrecision::bfloat16 ? 3.3895313892515355e38 : double(FLT_MAX);
     }
-    /// Averages the buffers over all ranks in buckets of at most bucket_bytes, per scalar size
-    /// (binary16, then float, then double), symmetric factors as packed triangles; bit-identical
-    /// on every rank. kfac::Half factors travel as float (as bfloat16 increments with that
-    /// payload) and are rounded back once, after the average.
+    /// The rank that needs unit u of layer l's averaged factor: its decomposer under
+    /// reduce_to_owner, else -1 (every rank).
+    int factor_owner(const Options& o, std::size_t l, int u) const {
+      return o.reduce_to_owner && comm_.size() > 1 ? assignment_.decomposer(l, u) : -1;
+    }
+    /// Averages the buffers in buckets of at most bucket_bytes, per scalar size (binary16, then
+    /// float, then double), symmetric factors as packed triangles: those of every rank (owner
+    /// -1) over all ranks, bit-identical on every rank; then, owner by owner in rank order, the others to their
+    /// owner only. The order depends only on the assignment, so every rank takes part in the
+    /// same collectives (impl::factor_buckets; the cost model replays the same function).
+    /// kfac::Half factors travel as float (as bfloat16 increments with that payload) and are
+    /// rounded back once, after the average; they are always summed to every rank.
     void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
       if (comm_.size() == 1) return;
-      for (std::size_t size : {std::size_t(2), std::size_t(4), std::size_t(8)}) {
-        std::vector<impl::FactorBuffer> mine;
-        std::vector<std::size_t> counts;
-        for (const auto& f : all)
-          if (f.storage.scalar_size == size) {
-            mine.push_back(f);
-            counts.push_back(f.payload_count());
-          }
-        const std::size_t flat_size = size == 2 ? 4 : size;
-        for (const auto& bucket : impl::plan_buckets(counts, o.bucket_bytes / flat_size, false)) {
-          if (size == 2) sum_bucket<float, Half>(exec, mine, bucket, o.comm_precision);
-          else if (size == 4) sum_bucket<float>(exec, mine, bucket, o.comm_precision);
-          else sum_bucket<double>(exec, mine, bucket, o.comm_precision);
-        }
+      std::vector<std::size_t> counts;
+      std::vector<std::size_t> sizes;
+      std::vector<int> owners;
+      for (const auto& f : all) {
+        counts.push_back(f.payload_count());
+        sizes.push_back(f.storage.scalar_size);
+        owners.push_back(f.owner);
       }
+      for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
+        std::vector<impl::FactorBuffer> mine;
+        for (std::size_t i : b.items) mine.push_back(all[i]);
+        if (b.scalar_size == 2) sum_bucket<float, Half>(exec, mine, b.bucket, o.comm_precision, b.owner);
+        else if (b.scalar_size == 4) sum_bucket<float>(exec, mine, b.bucket, o.comm_precision, b.owner);
+        else sum_bucket<double>(exec, mine, b.bucket, o.comm_precision, b.owner);
+      }
+    }
+    /// Collective: every rank gets each owned factor's average from its owner (before a
+    /// checkpoint or a new assignment), so that every copy is the global factor again.
+    void share_factors(const Exec& exec, const std::vector<impl::FactorBuffer>& all) const {
+      if (comm_.size() == 1) return;
+      exec.fence();
+      for (const auto& f : all)
+        if (f.owner >= 0)
+          impl::on_host<Exec>(comm_, f.storage.data, f.storage.bytes(),
+                              [&](void* p) { comm_.broadcast(p, f.storage.bytes(), f.owner); });
     }
     /// Shares layer l's unit u from its decomposer with the rest of the worker group.
     void share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
@@ -130,7 +150,7 @@ struct Kaisa {
    private:
     template <class T, class S = T>
     void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& items,
-                    const impl::Bucket& bucket, CommPrecision payload) {
+                    const impl::Bucket& bucket, CommPrecision payload, int root) {
       const std::size_t count = impl::bucket_count(bucket);
       if (staging_.extent(0) < count * sizeof(T))
         staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * sizeof(T));
@@ -139,10 +159,11 @@ struct Kaisa {
       std::size_t off = 0;
       for (const auto& p : bucket) {  // pack
         const auto& f = items[p.item];
-        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, true, T(1), static_cast<const S*>(f.base));
+        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, true, T(1), root >= 0 ? nullptr : static_cast<const S*>(f.base));
         off += p.count;
       }
-      impl::sum_payload(exec, comm_, flat.data(), count, sizeof(T), payload, payload_);
+      impl::sum_payload(exec, comm_, flat.data(), count, sizeof(T), payload, payload_, root);
+      if (root >= 0 && root != comm_.rank()) return;  // reduce-to-owner: only the owner reads the sum
       const T inv_world = T(1) / T(comm_.size());
       off = 0;
       for (const auto& p : bucket) {  // unpack and average

@@ -98,18 +98,20 @@ class MpiComm {
   /// broadcast). A float32 or bfloat16 payload is converted on the host here; buffers in device
   /// memory go through impl::sum_payload (distributed/payload.hpp), which converts them by
   /// kernels where they live. With `cuda_aware`, `data` may be device memory for a native payload.
-  void sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload) const {
+  /// With `root` >= 0 only that rank receives the sum (one MPI_Reduce; the others' buffers are
+  /// left as they were, or rounded to the payload type).
+  void sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload, int root = -1) const {
     if (count == 0 || size() == 1) return;
     if (impl::payload_is_native(payload, scalar_size)) {
       MPI_Datatype t = scalar_size == 8 ? MPI_DOUBLE : MPI_FLOAT;
-      reduce_bcast(data, count, scalar_size, t, MPI_SUM);
+      reduce_bcast(data, count, scalar_size, t, MPI_SUM, root);
       return;
     }
     if (payload == CommPrecision::float32) {
       std::vector<float> tmp(count);
       auto* d = static_cast<double*>(data);
       for (std::size_t i = 0; i < count; ++i) tmp[i] = float(d[i]);
-      sum_converted(tmp.data(), count, payload);
+      sum_converted(tmp.data(), count, payload, root);
       for (std::size_t i = 0; i < count; ++i) d[i] = double(tmp[i]);
       return;
     }
@@ -117,7 +119,7 @@ class MpiComm {
     for (std::size_t i = 0; i < count; ++i)
       tmp[i] = impl::to_bf16(scalar_size == 8 ? float(static_cast<double*>(data)[i])
                                               : static_cast<float*>(data)[i]);
-    sum_converted(tmp.data(), count, payload);
+    sum_converted(tmp.data(), count, payload, root);
     for (std::size_t i = 0; i < count; ++i) {
       if (scalar_size == 8) static_cast<double*>(data)[i] = double(impl::from_bf16(tmp[i]));
       else static_cast<float*>(data)[i] = impl::from_bf16(tmp[i]);
@@ -127,13 +129,13 @@ class MpiComm {
   /// `count` bfloat16 bit patterns, summed pairwise in float), in place, bit-identical everywhere.
   /// bfloat16 payloads must be in host memory (the reduction is a host MPI_Op); a float32 one
   /// may be device memory when the communicator is `cuda_aware`.
-  void sum_converted(void* payload_data, std::size_t count, CommPrecision payload) const {
+  void sum_converted(void* payload_data, std::size_t count, CommPrecision payload, int root = -1) const {
     if (payload == CommPrecision::native) throw Error("", "MpiComm::sum_converted: a native payload needs sum()");
     if (count == 0 || size() == 1) return;
     if (payload == CommPrecision::float32)
-      reduce_bcast(payload_data, count, 4, MPI_FLOAT, MPI_SUM);
+      reduce_bcast(payload_data, count, 4, MPI_FLOAT, MPI_SUM, root);
     else
-      reduce_bcast(payload_data, count, 2, MPI_UINT16_T, state_->bf16_op);
+      reduce_bcast(payload_data, count, 2, MPI_UINT16_T, state_->bf16_op, root);
   }
 
   /// \brief A sub-communicator; frees itself (move-only).
@@ -218,20 +220,23 @@ class MpiComm {
       check(MPI_Bcast(p + off, int(n), MPI_BYTE, root_index, c), "MPI_Bcast");
     }
   }
-  /// Reduce to rank 0 and broadcast, in pieces of at most max_message bytes.
-  void reduce_bcast(void* data, std::size_t count, std::size_t size, MPI_Datatype t, MPI_Op op) const {
-    state_->bytes += 2 * count * size;  // one reduce contribution, one broadcast share
+  /// Reduce to rank 0 and broadcast (`root` < 0), or only reduce to `root`, in pieces of at
+  /// most max_message bytes.
+  void reduce_bcast(void* data, std::size_t count, std::size_t size, MPI_Datatype t, MPI_Op op, int root) const {
+    const bool everyone = root < 0;
+    const int to = everyone ? 0 : root;
+    state_->bytes += (everyone ? 2 : 1) * count * size;  // one reduce contribution (+ one broadcast share)
     const std::size_t per = std::max<std::size_t>(1, state_->max_message / size);
     auto* p = static_cast<char*>(data);
     for (std::size_t first = 0; first < count; first += per) {
       const int n = int(std::min(per, count - first));
       void* at = p + first * size;
-      state_->messages += 2;
-      if (rank() == 0)
-        check(MPI_Reduce(MPI_IN_PLACE, at, n, t, op, 0, state_->comm), "MPI_Reduce");
+      state_->messages += everyone ? 2 : 1;
+      if (rank() == to)
+        check(MPI_Reduce(MPI_IN_PLACE, at, n, t, op, to, state_->comm), "MPI_Reduce");
       else
-        check(MPI_Reduce(at, nullptr, n, t, op, 0, state_->comm), "MPI_Reduce");
-      check(MPI_Bcast(at, n, t, 0, state_->comm), "MPI_Bcast");
+        check(MPI_Reduce(at, nullptr, n, t, op, to, state_->comm), "MPI_Reduce");
+      if (everyone) check(MPI_Bcast(at, n, t, 0, state_->comm), "MPI_Bcast");
     }
   }
 

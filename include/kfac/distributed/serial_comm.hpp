@@ -25,7 +25,7 @@ class SerialComm {
   /// True when every rank passed the same string (registration consistency check).
   bool all_equal(const std::string&) const { return true; }
   bool cuda_aware() const { return true; }
-  void sum(void*, std::size_t, std::size_t, CommPrecision) const {}
+  void sum(void*, std::size_t, std::size_t, CommPrecision, int = -1) const {}
   /// A sub-communicator of one process.
   struct Group {};
   using group_type = Group;

@@ -43,19 +43,21 @@ struct has_sum_converted<T, std::void_t<decltype(std::declval<const T&>().sum_co
 /// bfloat16 payload, whose reduction is a host function, always goes through a host copy of
 /// the 16-bit buffer, as does everything for a communicator that is not CUDA-aware. A
 /// communicator without sum_converted gets a host copy of the data and converts it itself.
+/// With `root` >= 0 only that rank receives the sum (Comm::sum's reduce-to-owner form).
 template <class Exec, class Comm>
 void sum_payload(const Exec& exec, const Comm& comm, void* data, std::size_t count, std::size_t scalar_size,
-                 CommPrecision payload, Kokkos::View<char*, typename Exec::memory_space>& scratch) {
+                 CommPrecision payload, Kokkos::View<char*, typename Exec::memory_space>& scratch,
+                 int root = -1) {
   if (count == 0 || comm.size() == 1) return;
   exec.fence();  // the data is complete before MPI or a host copy reads it
   const bool native = payload_is_native(payload, scalar_size);
   if constexpr (!has_sum_converted<Comm>::value) {
-    on_host<Exec>(comm, data, count * scalar_size, [&](void* p) { comm.sum(p, count, scalar_size, payload); },
+    on_host<Exec>(comm, data, count * scalar_size, [&](void* p) { comm.sum(p, count, scalar_size, payload, root); },
                   !native);
     return;
   } else {
     if (native) {
-      on_host<Exec>(comm, data, count * scalar_size, [&](void* p) { comm.sum(p, count, scalar_size, payload); });
+      on_host<Exec>(comm, data, count * scalar_size, [&](void* p) { comm.sum(p, count, scalar_size, payload, root); });
       return;
     }
     const std::size_t bytes = count * payload_size(payload, scalar_size);
@@ -64,7 +66,7 @@ void sum_payload(const Exec& exec, const Comm& comm, void* data, std::size_t cou
           Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::payload"), bytes);
     pack_payload(exec, data, count, scalar_size, payload, scratch.data());
     exec.fence();
-    on_host<Exec>(comm, scratch.data(), bytes, [&](void* p) { comm.sum_converted(p, count, payload); },
+    on_host<Exec>(comm, scratch.data(), bytes, [&](void* p) { comm.sum_converted(p, count, payload, root); },
                   payload == CommPrecision::bfloat16);
     unpack_payload(exec, scratch.data(), count, scalar_size, payload, data);
     exec.fence();  // the values are read next, maybe on the host

@@ -104,6 +104,8 @@ class WorkAssignment {
       : WorkAssignment(world, fraction, pairs_to_units(costs), colocate, layout) {}
 
   int world() const { return world_; }
+  /// Number of layers assigned.
+  std::size_t layers() const { return group_.size(); }
   int grad_workers() const { return gw_; }
   /// Worker group (0 .. W/gw - 1) that owns layer l.
   int worker_group(std::size_t l) const { return group_.at(l); }

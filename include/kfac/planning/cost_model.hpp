@@ -316,7 +316,7 @@ struct CostPrediction {
 /// The layer list must be in registration order (placement ties and the layer-by-layer
 /// schedule depend on it). Options supply the distribution settings exactly as the
 /// Preconditioner reads them: grad_worker_fraction, assignment_cost, colocate_factors,
-/// bucket_bytes, comm_precision, precompute_reciprocal, skip_layers, and the intervals at step 0.
+/// bucket_bytes, reduce_to_owner, comm_precision, precompute_reciprocal, skip_layers, and the intervals at step 0.
 class CostModel {
  public:
   explicit CostModel(std::vector<LayerShape> layers, MachineFigures machine = MachineFigures{})
@@ -448,28 +448,36 @@ class CostModel {
     return r;
   }
 
-  /// Replays the factor averaging of kfac::Kaisa: buckets per storage type (binary16, float,
-  /// double), cut by the library's own bucketing routine; binary16 factors travel as float.
+  /// Replays the factor averaging of kfac::Kaisa: the collectives of impl::factor_buckets
+  /// (per storage type: binary16, which travels as float, float, double; with reduce_to_owner, each decomposed factor summed only
+  /// to its decomposer: one MPI_Reduce, counted once, instead of a reduce and a broadcast).
   void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Options& o) const {
     if (p.world == 1) return;
     std::size_t sent = 0, staging = 0;
-    for (std::size_t storage : {std::size_t(2), std::size_t(4), std::size_t(8)}) {
-      const std::size_t size = storage == 2 ? 4 : storage;  // the flat buffer's scalar
+    std::vector<std::size_t> counts, sizes;
+    std::vector<int> owners;
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      if (skip[l]) continue;
+      const auto c = layers_[l].factor_payload_counts();
+      const bool units = layers_[l].decomposed_factors() > 0 && int(c.size()) == layers_[l].decomposed_factors();
+      for (std::size_t k = 0; k < c.size(); ++k) {
+        counts.push_back(c[k]);
+        sizes.push_back(layers_[l].factor_scalar);
+        owners.push_back(units && o.reduce_to_owner && layers_[l].factor_scalar != 2 ? p.assignment.decomposer(l, int(k)) : -1);
+      }
+    }
+    for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
+      const std::size_t size = impl::flat_scalar_size(b.scalar_size);  // the flat buffer's scalar
       const std::size_t payload = o.comm_precision == CommPrecision::native    ? size
                                   : o.comm_precision == CommPrecision::float32 ? 4
                                                                                : 2;
-      std::vector<std::size_t> counts;
-      for (std::size_t l = 0; l < layers_.size(); ++l) {
-        if (skip[l] || layers_[l].factor_scalar != storage) continue;
-        for (std::size_t c : layers_[l].factor_payload_counts()) counts.push_back(c);
-      }
-      for (const auto& bucket : impl::plan_buckets(counts, o.bucket_bytes / size, false)) {
-        const std::size_t count = impl::bucket_count(bucket);
-        sent += 2 * count * payload;
-        staging = std::max(staging, count * size);
-        p.factor_comm_seconds += machine_.allreduce_seconds(count * payload, p.world);
-        ++p.factor_collectives;
-      }
+      const std::size_t count = impl::bucket_count(b.bucket);
+      const bool everyone = b.owner < 0;
+      sent += (everyone ? 2 : 1) * count * payload;
+      staging = std::max(staging, count * size);
+      p.factor_comm_seconds += everyone ? machine_.allreduce_seconds(count * payload, p.world)
+                                        : machine_.collective_seconds(count * payload, p.world);
+      ++p.factor_collectives;
     }
     for (auto& r : p.ranks) {
       r.factor_bytes_sent = sent;
