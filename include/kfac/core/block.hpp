@@ -122,6 +122,9 @@ class Block {
   // Decomposable units. The defaults describe a closed-form block (no units), which then
   // overrides none of these.
   virtual int units() const { return 0; }
+  /// True when decomposing one unit reads the other units' statistics (K-FAC's pi-damping
+  /// reads both factors' traces): reduce-to-owner then keeps them on one rank or on all.
+  virtual bool units_coupled() const { return false; }
   virtual UnitCost unit_cost(int) const { return {}; }
   virtual std::vector<BufferShape> unit_shapes(int) const { return {}; }
   virtual void allocate_units() {}

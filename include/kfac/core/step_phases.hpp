@@ -14,6 +14,7 @@
 #include "kfac/core/agreement.hpp"
 #include "kfac/core/backup.hpp"
 #include "kfac/core/half.hpp"
+#include "kfac/distributed/bucketing.hpp"
 #include "kfac/distributed/comm_precision.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/error.hpp"
@@ -40,17 +41,16 @@ long nonfinite_in(const Exec& exec, const Buffer& b) {
   return count_nonfinite(exec, Kokkos::View<const float*, M, U>(static_cast<const float*>(b.data), b.count));
 }
 
-/// The rank each averaged buffer of layer l is reduced to (-1: every rank). Only a block whose
-/// averaged buffers are its decomposable units (K-FAC's A and G) can be reduced to an owner, and
-/// only float and double factors (kfac::Half ones are summed to every rank, rounded once).
+/// The rank each averaged buffer of layer l is reduced to (-1: every rank): the rule of
+/// impl::factor_owners_of, with the decomposers of this assignment.
 template <class Block, class Dist>
 std::vector<int> factor_owners(Block& b, const Dist& dist, const Options& o, std::size_t l) {
   const auto state = b.averaged_state();
   const bool units = b.units() > 0 && int(state.size()) == b.units();
-  std::vector<int> owners;
-  for (std::size_t k = 0; k < state.size(); ++k)
-    owners.push_back(units && state[k].storage.scalar_size != 2 ? dist.factor_owner(o, l, int(k)) : -1);
-  return owners;
+  std::vector<int> decomposers;
+  for (std::size_t k = 0; k < state.size(); ++k) decomposers.push_back(units ? dist.factor_owner(o, l, int(k)) : -1);
+  return factor_owners_of(decomposers, units, b.units_coupled(),
+                          state.empty() ? 0 : state.front().storage.scalar_size);
 }
 
 /// Collective: every rank's copy of a factor reduced to its owner becomes the owner's (the

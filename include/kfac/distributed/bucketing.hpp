@@ -99,5 +99,20 @@ inline std::vector<FactorBucket> factor_buckets(const std::vector<std::size_t>& 
   return out;
 }
 
+/// \brief The rank each of one layer's averaged buffers is reduced to under reduce-to-owner
+/// (-1: every rank), given the decomposer of each buffer's unit. Only buffers that are the
+/// block's decomposable units (`units`) and not binary16 (`scalar_size` 2, summed to every
+/// rank and rounded once) go to an owner; and when decomposing one unit reads the others
+/// (`coupled`: pi-damping reads both factors' traces) only if one rank decomposes them all.
+/// The one rule Kaisa's factor averaging and the cost model both follow.
+inline std::vector<int> factor_owners_of(const std::vector<int>& decomposers, bool units, bool coupled,
+                                         std::size_t scalar_size) {
+  std::vector<int> owners(decomposers.size(), -1);
+  if (!units || scalar_size == 2) return owners;
+  for (int d : decomposers)
+    if (coupled && d != decomposers.front()) return owners;
+  return decomposers;
+}
+
 }  // namespace impl
 }  // namespace kfac

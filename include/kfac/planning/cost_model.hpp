@@ -95,6 +95,7 @@ struct LayerShape {
   DecompositionKind decomposition = DecompositionKind::eigen;
   std::size_t factor_scalar = 8;         ///< sizeof(Precision::factor_type)
   std::size_t decomposition_scalar = 8;  ///< sizeof(Precision::decomposition_type)
+  bool units_coupled = false;  ///< decomposing one unit reads the others (pi-damping)
 
   /// What the layer's block says of itself (read from the block the Preconditioner would
   /// build, so the model restates no formula): values per averaged buffer, values per buffer
@@ -154,6 +155,7 @@ struct LayerShape {
   template <class Block>
   void describe_block(Block& b) {
     for (const auto& f : b.averaged_state()) payload_counts.push_back(f.payload_count());
+    units_coupled = b.units_coupled();
     for (int u = 0; u < b.units(); ++u) {
       unit_costs.push_back(b.unit_cost(u));
       unit_counts.emplace_back();
@@ -460,11 +462,15 @@ class CostModel {
       if (skip[l]) continue;
       const auto c = layers_[l].factor_payload_counts();
       const bool units = layers_[l].decomposed_factors() > 0 && int(c.size()) == layers_[l].decomposed_factors();
+      std::vector<int> decomposers;
       for (std::size_t k = 0; k < c.size(); ++k) {
         counts.push_back(c[k]);
         sizes.push_back(layers_[l].factor_scalar);
-        owners.push_back(units && o.reduce_to_owner && layers_[l].factor_scalar != 2 ? p.assignment.decomposer(l, int(k)) : -1);
+        decomposers.push_back(units && o.reduce_to_owner ? p.assignment.decomposer(l, int(k)) : -1);
       }
+      for (int r : impl::factor_owners_of(decomposers, units && o.reduce_to_owner, layers_[l].units_coupled,
+                                          layers_[l].factor_scalar))
+        owners.push_back(r);
     }
     for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
       const std::size_t size = impl::flat_scalar_size(b.scalar_size);  // the flat buffer's scalar

@@ -236,6 +236,10 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
 
   /// Unit 0 is A, unit 1 is G.
   int units() const override { return diagonal ? 0 : 2; }
+  bool units_coupled() const override {
+    if constexpr (impl::has_pi_damping<InversePolicy>::value && !diagonal) return inversion_.pi_damping;
+    else return false;
+  }
   impl::UnitCost unit_cost(int u) const override {
     if constexpr (diagonal) {
       (void)u;
