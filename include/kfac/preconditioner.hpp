@@ -66,15 +66,18 @@ class Preconditioner {
     static_assert(is_layer_type_v<LayerType>, "kfac::register_layer: the second argument must be a layer type (kfac::Dense, kfac::Conv2d, kfac::BatchNorm2d)");
     static_assert(is_method_v<Method>, "kfac::register_layer: the third argument must be a method object (kfac::KFAC<...>, kfac::UnitWiseFisher<...>)");
     static_assert(Method::template accepts<LayerType>, "kfac::register_layer: this method does not handle this layer type");
-    reg_.add(method.template make_block<Scalar, Exec>(name, layer), impl::overrides_of(method),
-             skipped(name, LayerType::kind), step_);
+    reg_.add([method, name, layer] { return method.template make_block<Scalar, Exec>(name, layer); },
+             impl::overrides_of(method), skipped(name, LayerType::kind), step_);
     // The new layer gets statistics and a decomposition at the next step, and so does every
-    // layer (the work assignment changes, and ranks must agree on what is due).
+    // layer (the work assignment changes, and ranks must agree on what is due): at once, and
+    // in-flight decompositions are dropped.
     for (auto& e : reg_.entries()) {
       e.schedule.next_factor = std::min(e.schedule.next_factor, step_);
       e.schedule.next_inv = std::min(e.schedule.next_inv, step_);
+      if (e.deferred) e.deferred->drop();
     }
     registration_checked_ = false;
+    fresh_ = true;
   }
   /// \brief The policy-list form: default_method<LayerType> when no policy is given, else
   /// KFAC<FactorPolicy, Inversion, Prec> (Dense, Conv2d) or UnitWiseFisher<FactorPolicy, Prec>.
@@ -153,8 +156,7 @@ class Preconditioner {
     StepValues v{};
     try {
       v = StepValues::at(options_, step_);
-      for (std::size_t l = 0; l < reg_.size(); ++l)
-        due[l] = {factor_due(reg_[l]), step_ >= reg_[l].schedule.next_inv, reg_[l].values_at(options_, step_)};
+      due = impl::due_at(reg_, options_, step_, fresh_);
       const double payload_max = dist_.payload_max(options_);
       mine.poisoned = poisoned_ || (options_.nonfinite == NonFinitePolicy::skip && impl::nonfinite_step(reg_, due, exec_, payload_max));
       impl::validate_step(reg_, due, options_, exec_, step_, mine.poisoned, payload_max);
@@ -165,7 +167,7 @@ class Preconditioner {
     mine.sequence = impl::sequence_hash(step_, due, options_);
     if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size())) return skip_step();
     if (!registration_checked_) check_registration();
-    impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, options_, due);
+    impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, options_, due, step_);
     phases.update_statistics();
     const long retries = phases.decompose();  // on failure: restored, and throws on every rank
     damping_retries_ += retries;
@@ -173,6 +175,7 @@ class Preconditioner {
     phases.precondition();
     last_nu_ = phases.clip_and_write_back(v.kl_clip, v.lr);
     for (auto& e : reg_.entries()) e.clear_gradient();
+    fresh_ = false;
     ++step_;
   }
 
@@ -232,6 +235,7 @@ class Preconditioner {
     last_factor_step_ = cp.counters[3];
     last_inv_step_ = cp.counters[4];
     poisoned_ = false;
+    fresh_ = verdict != 0;  // decompositions restored everywhere: deferred ones resume in flight
     return restored;
   }
 
@@ -240,7 +244,7 @@ class Preconditioner {
   /// \brief Memory held per layer.
   std::vector<MemoryReport> memory_report() const {
     std::vector<MemoryReport> r;
-    for (const auto& e : reg_.entries()) r.push_back(e.block->memory());
+    for (const auto& e : reg_.entries()) r.push_back(e.memory());
     return r;
   }
   /// \brief The block of a layer, for inspection. Throws if unknown.
@@ -287,6 +291,7 @@ class Preconditioner {
   long step_ = 0, last_factor_step_ = -1, last_inv_step_ = -1;
   double last_nu_ = 1.0;
   bool poisoned_ = false, registration_checked_ = false;
+  bool fresh_ = true;  ///< the next decompositions run at once (Options::decomposition_delay)
   long skipped_steps_ = 0, damping_retries_ = 0;
 };
 

@@ -15,6 +15,10 @@
 ///                has_state u8, state buffers (the block's checkpoint view),
 ///                has_decomposition u8, damping f64 (of the layer's last decomposition),
 ///                unit count u32, then per unit its buffers.
+///     when flags bit 1 is set (decompositions in flight, Options::decomposition_delay):
+///     count u32, then per in-flight decomposition: layer index u32, launch step i64, swap
+///     step i64, damping f64, unit count u32 and the units this rank computes (u32 each), and
+///     the statistics it is computed from (buffers, empty when the rank computes no unit).
 ///
 /// Version 1 differs per layer: no schedule (every layer follows the global counters), and
 /// after the damping always exactly two buffer lists, the decompositions of A and of G.
@@ -37,6 +41,13 @@ namespace impl {
 
 /// A checked checkpoint, not yet applied. The value pointers point into `body`.
 struct CheckpointPlan {
+  struct InFlight {
+    std::size_t layer = 0;
+    long launched = 0, swap_at = 0;
+    double damping = 0;
+    std::vector<int> units;
+    std::vector<const char*> state;
+  };
   struct Layer {
     LayerSchedule schedule;
     bool has_schedule = false;
@@ -50,6 +61,7 @@ struct CheckpointPlan {
   long counters[5] = {};
   int world = 0, rank = 0;
   std::vector<Layer> layers;
+  std::vector<InFlight> in_flight;
 };
 
 template <class Exec>
@@ -84,7 +96,10 @@ void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const 
   for (long v : {clock[0], next_factor, next_inv, clock[1], clock[2]}) w.put(std::int64_t(v));
   w.put(std::int32_t(world));
   w.put(std::int32_t(rank));
-  w.put(std::uint32_t(with_decompositions ? 1 : 0));
+  std::vector<std::size_t> flying;
+  for (std::size_t l = 0; with_decompositions && l < reg.size(); ++l)
+    if (reg[l].in_flight()) flying.push_back(l);
+  w.put(std::uint32_t((with_decompositions ? 1 : 0) | (flying.empty() ? 0 : 2)));
   w.put(std::uint32_t(reg.size()));
   auto put_buffers = [&](const std::vector<Buffer>& bufs) {
     w.put(std::uint32_t(bufs.size()));
@@ -111,6 +126,17 @@ void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const 
     w.put(std::uint32_t(units));
     for (int u = 0; u < units; ++u) put_buffers(block.unit_buffers(u));
   }
+  if (!flying.empty()) w.put(std::uint32_t(flying.size()));
+  for (std::size_t l : flying) {
+    auto& d = *reg[l].deferred;
+    w.put(std::uint32_t(l));
+    w.put(std::int64_t(d.launched_at()));
+    w.put(std::int64_t(d.swap_at()));
+    w.put(d.damping());
+    w.put(std::uint32_t(d.units().size()));
+    for (int u : d.units()) w.put(std::uint32_t(u));
+    put_buffers(d.units().empty() ? std::vector<Buffer>{} : d.shadow().checkpoint_state());
+  }
   write_checkpoint(os, w.bytes());
 }
 
@@ -125,7 +151,7 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
   for (int k = 0; k < 5; ++k) counters[k] = long(r.get<std::int64_t>("step counters"));
   cp.world = r.get<std::int32_t>("world size");
   cp.rank = r.get<std::int32_t>("rank");
-  r.get<std::uint32_t>("flags");
+  const auto flags = r.get<std::uint32_t>("flags");
   const std::uint32_t count = r.get<std::uint32_t>("layer count");
   if (count != reg.size())
     throw Error("", "checkpoint has " + std::to_string(count) + " layers, this preconditioner has " +
@@ -143,6 +169,27 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
   };
   for (int k = 0; k < 3; ++k) check_next(counters[k]);
   for (int k = 3; k < 5; ++k) check_last(counters[k]);
+  auto read_buffers = [&](const std::string& name, const std::vector<BufferShape>& shapes, std::vector<const char*>& out) {
+    const std::uint32_t n = r.get<std::uint32_t>("buffer count");
+    if (n == 0) return;
+    if (n != shapes.size())
+      throw Error(name, "checkpoint buffer count " + std::to_string(n) + " does not match " +
+                            std::to_string(shapes.size()));
+    for (const auto& [cnt, size] : shapes) {
+      const auto ss = r.get<std::uint8_t>("scalar size");
+      const auto c = r.get<std::uint64_t>("value count");
+      if (ss != size || c != cnt)
+        throw Error(name, "checkpoint buffer has " + std::to_string(c) + " values of " +
+                              std::to_string(int(ss)) + " bytes, expected " + std::to_string(cnt) +
+                              " of " + std::to_string(size));
+      const char* values = r.get_raw(std::size_t(c) * ss, "buffer values");
+      // save() never writes NaN/Inf (statistics and decompositions are checked when made);
+      // loading one would poison every later decomposition.
+      if (!all_finite(values, std::size_t(c), ss))
+        throw Error(name, "checkpoint has NaN/Inf values in its saved state: corrupt");
+      out.push_back(values);
+    }
+  };
   cp.layers.resize(count);
   for (std::uint32_t i = 0; i < count; ++i) {
     auto& block = *reg[i].block;
@@ -163,29 +210,8 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
       p.schedule = {s[0], s[1], s[2], s[3]};
       p.has_schedule = true;
     }
-    auto read_buffers = [&](const std::vector<BufferShape>& shapes, std::vector<const char*>& out) {
-      const std::uint32_t n = r.get<std::uint32_t>("buffer count");
-      if (n == 0) return;
-      if (n != shapes.size())
-        throw Error(name, "checkpoint buffer count " + std::to_string(n) + " does not match " +
-                              std::to_string(shapes.size()));
-      for (const auto& [cnt, size] : shapes) {
-        const auto ss = r.get<std::uint8_t>("scalar size");
-        const auto c = r.get<std::uint64_t>("value count");
-        if (ss != size || c != cnt)
-          throw Error(name, "checkpoint buffer has " + std::to_string(c) + " values of " +
-                                std::to_string(int(ss)) + " bytes, expected " + std::to_string(cnt) +
-                                " of " + std::to_string(size));
-        const char* values = r.get_raw(std::size_t(c) * ss, "buffer values");
-        // save() never writes NaN/Inf (statistics and decompositions are checked when made);
-        // loading one would poison every later decomposition.
-        if (!all_finite(values, std::size_t(c), ss))
-          throw Error(name, "checkpoint has NaN/Inf values in its saved state: corrupt");
-        out.push_back(values);
-      }
-    };
     p.has_state = r.get<std::uint8_t>("factor flag") != 0;
-    read_buffers(block.checkpoint_shapes(), p.state);
+    read_buffers(name, block.checkpoint_shapes(), p.state);
     if (p.has_state != !p.state.empty())
       throw Error(name, "checkpoint factor flag disagrees with its buffers: corrupt");
     p.has_decomposition = r.get<std::uint8_t>("decomposition flag") != 0;
@@ -201,7 +227,7 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
                             std::to_string(expected));
     p.units.resize(units);
     for (std::uint32_t u = 0; u < units; ++u)
-      read_buffers(int(u) < expected ? block.unit_shapes(int(u)) : std::vector<BufferShape>{}, p.units[u]);
+      read_buffers(name, int(u) < expected ? block.unit_shapes(int(u)) : std::vector<BufferShape>{}, p.units[u]);
     if (p.has_decomposition && !p.has_state)
       throw Error(name, "checkpoint has a decomposition without factors: corrupt");
     bool complete = expected == 0 || int(p.units.size()) >= expected;
@@ -211,6 +237,32 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
     if (!p.has_decomposition)
       for (const auto& list : p.units)
         if (!list.empty()) throw Error(name, "checkpoint decomposition flag disagrees with its buffers: corrupt");
+  }
+  const std::uint32_t flying = (flags & 2) ? r.get<std::uint32_t>("in-flight count") : 0;
+  for (std::uint32_t f = 0; f < flying; ++f) {
+    CheckpointPlan::InFlight d;
+    d.layer = r.get<std::uint32_t>("in-flight layer");
+    if (d.layer >= count || (f > 0 && d.layer <= cp.in_flight.back().layer))
+      throw Error("", "checkpoint has an in-flight decomposition of layer " + std::to_string(d.layer) + ": corrupt");
+    const auto& block = *reg[d.layer].block;
+    d.launched = long(r.get<std::int64_t>("in-flight launch step"));
+    d.swap_at = long(r.get<std::int64_t>("in-flight swap step"));
+    d.damping = r.get<double>("in-flight damping");
+    if (d.launched < 0 || d.launched >= counters[0] || d.swap_at <= d.launched || d.swap_at > max_step ||
+        !std::isfinite(d.damping) || !(d.damping > 0))
+      throw Error(block.name(), "checkpoint has an in-flight decomposition of step " + std::to_string(d.launched) +
+                                    " due at step " + std::to_string(d.swap_at) + ": corrupt");
+    const std::uint32_t units = r.get<std::uint32_t>("in-flight unit count");
+    for (std::uint32_t k = 0; k < units; ++k) {
+      const auto u = r.get<std::uint32_t>("in-flight unit");
+      if (int(u) >= block.units() || (k > 0 && int(u) <= d.units.back()))
+        throw Error(block.name(), "checkpoint has in-flight unit " + std::to_string(u) + ": corrupt");
+      d.units.push_back(int(u));
+    }
+    read_buffers(block.name(), block.checkpoint_shapes(), d.state);
+    if (d.units.empty() != d.state.empty())
+      throw Error(block.name(), "checkpoint in-flight units disagree with their statistics: corrupt");
+    cp.in_flight.push_back(std::move(d));
   }
   if (!r.done()) throw Error("", "checkpoint has trailing bytes: corrupt");
   return cp;
@@ -236,6 +288,8 @@ template <class Scalar, class Exec>
 bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, bool same_layout,
                       const Exec& exec, bool precompute) {
   bool restored = true;
+  for (auto& e : reg.entries())
+    if (e.deferred) e.deferred->drop();
   for (std::size_t i = 0; i < cp.layers.size(); ++i) {
     auto& e = reg[i];
     auto& block = *e.block;
@@ -277,6 +331,17 @@ bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, boo
       e.schedule.next_factor = std::min(e.schedule.next_factor, cp.counters[0]);
       e.schedule.next_inv = std::min(e.schedule.next_inv, cp.counters[0]);
     }
+  // Decompositions in flight resume (recomputed from their statistics: the same bits) only
+  // with the decompositions they would replace.
+  for (const auto& d : same_layout ? cp.in_flight : std::vector<CheckpointPlan::InFlight>{}) {
+    auto& e = reg[d.layer];
+    if (!e.deferred) e.deferred = std::make_unique<DeferredDecomposition<Scalar, Exec>>();
+    const auto fill = [&](Block<Scalar, Exec>& shadow) {
+      auto bufs = shadow.checkpoint_state();
+      for (std::size_t k = 0; k < bufs.size(); ++k) from_host_bytes<Exec>(bufs[k], d.state[k]);
+    };
+    e.deferred->launch(exec, e.make_block, fill, d.units, d.damping, d.launched, d.swap_at);
+  }
   exec.fence();
   return restored;
 }

@@ -29,8 +29,8 @@ struct LocalVerdict {
 template <class DueList>
 std::uint64_t sequence_hash(long step, const DueList& due, const Options& o) {
   std::string s = std::to_string(step) + ";" + std::to_string(o.bucket_bytes) + ";" +
-                  std::to_string(int(o.comm_precision)) + ";" + std::to_string(int(o.nonfinite)) + ";";
-  for (const auto& d : due) s += char('0' + int(d.factor) + 2 * int(d.inv));
+                  std::to_string(int(o.comm_precision)) + ";" + std::to_string(int(o.nonfinite)) + ";" + std::to_string(o.decomposition_delay) + ";";
+  for (const auto& d : due) s += char('0' + int(d.factor) + 2 * int(d.inv) + 4 * int(d.defer));
   return fnv1a(s);
 }
 

@@ -19,6 +19,16 @@ Kokkos::View<char*, typename Exec::memory_space> copy_of(const Exec& exec, const
   return copy;
 }
 
+/// Copies the bytes of each buffer of `from` into the equally sized buffer of `to` (device to
+/// device).
+template <class Exec>
+void copy_into(const Exec& exec, const std::vector<Buffer>& from, const std::vector<Buffer>& to) {
+  using U = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+  for (std::size_t k = 0; k < from.size() && k < to.size(); ++k)
+    Kokkos::deep_copy(exec, Kokkos::View<char*, typename Exec::memory_space, U>(static_cast<char*>(to[k].data), to[k].bytes()),
+                      Kokkos::View<const char*, typename Exec::memory_space, U>(static_cast<const char*>(from[k].data), from[k].bytes()));
+}
+
 /// Sets every byte of `b` to 0 (0.0 in float and double).
 template <class Exec>
 void zero(const Exec& exec, const Buffer& b) {

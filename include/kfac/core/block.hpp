@@ -137,6 +137,13 @@ class Block {
   /// eigendecomposition solves F + damping I), so that a retry is not the same computation.
   virtual void decompose_retry(const Exec& exec, int u, double damping, int) { decompose(exec, u, damping); }
   virtual std::vector<Buffer> unit_buffers(int) { return {}; }
+  /// Computes on the calling thread what decompose() reads besides the statistics (K-FAC: the
+  /// pi of pi-damping, from the factors' traces), once per decomposition of the layer.
+  virtual void prepare_decomposition(const Exec&) {}
+  /// True when decompose(), after prepare_decomposition(), may run on a second host thread
+  /// while the first launches other kernels (Options::decomposition_delay): it launches only
+  /// range kernels and copies on a Kokkos::Serial space and calls LAPACK.
+  virtual bool decomposes_off_thread() const { return false; }
   /// Called once every unit is in place (computed here or received).
   virtual void finish_decomposition(const Exec&, double, bool) {}
 

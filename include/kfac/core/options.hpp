@@ -105,6 +105,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | NonFinitePolicy | nonfinite | raise at once, or skip the step on every rank | raise |
 /// | int | max_damping_retries | decomposition failures retried with more damping | 3 |
 /// | double | damping_retry_factor | damping multiplier of each retry (> 1) | 10 |
+/// | long | decomposition_delay | d: a decomposition due at step s is computed from the statistics of step s (on a second host thread where the backend allows it) and used from step s + d; 0 = at once; at most every layer's inv_update_steps | 0 |
 struct Options {
   Hyperparameter<double> lr{0.1};
   Hyperparameter<double> damping{0.001};
@@ -125,6 +126,7 @@ struct Options {
   NonFinitePolicy nonfinite = NonFinitePolicy::raise;
   int max_damping_retries = 3;
   double damping_retry_factor = 10.0;
+  long decomposition_delay = 0;
 
   Options& with_lr(Hyperparameter<double> v) { lr = std::move(v); return *this; }
   Options& with_damping(Hyperparameter<double> v) { damping = std::move(v); return *this; }
@@ -144,6 +146,11 @@ struct Options {
   Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
   Options& with_nonfinite_policy(NonFinitePolicy p) { nonfinite = p; return *this; }
   Options& with_max_damping_retries(int n) { max_damping_retries = n; return *this; }
+  Options& with_decomposition_delay(long d) {
+    if (d < 0) throw Error("", "decomposition_delay: expected a number of steps >= 0");
+    decomposition_delay = d;
+    return *this;
+  }
   Options& with_damping_retry_factor(double f) {
     if (!(f > 1) || !std::isfinite(f)) throw Error("", "damping_retry_factor: expected a finite value > 1");
     damping_retry_factor = f;

@@ -3,12 +3,14 @@
 /// \brief The registered layers: each block with its per-layer settings, schedule and the
 /// gradient handed to the current step.
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "kfac/core/block.hpp"
+#include "kfac/core/deferred.hpp"
 #include "kfac/error.hpp"
 #include "kfac/methods/method_settings.hpp"
 
@@ -34,6 +36,17 @@ struct Entry {
   bool poisoned = false;  ///< an observation of this step was dropped (NaN/Inf under skip)
   typename block_type::grad_matrix w;
   typename block_type::grad_vector b;
+  /// Makes another block of the same layer and method (the shadow of deferred decompositions).
+  std::function<std::unique_ptr<block_type>()> make_block;
+  /// The decomposition in flight under Options::decomposition_delay (null: never launched).
+  std::unique_ptr<DeferredDecomposition<Scalar, Exec>> deferred;
+  bool in_flight() const { return deferred && deferred->in_flight(); }
+  /// The block's memory, with the shadow's in workspace_bytes.
+  MemoryReport memory() const {
+    MemoryReport m = block->memory();
+    if (deferred) m.workspace_bytes += deferred->bytes();
+    return m;
+  }
 
   void clear_gradient() {
     has_gradient = false;
@@ -49,13 +62,16 @@ class Registry {
   using entry_type = Entry<Scalar, Exec>;
 
   /// Adds a layer; throws (and adds nothing) when the name is empty or taken.
-  entry_type& add(std::unique_ptr<Block<Scalar, Exec>> block, Overrides overrides, bool skipped,
-                  long step) {
+  /// `make` makes the layer's block (and later the shadows of its deferred decompositions).
+  entry_type& add(std::function<std::unique_ptr<Block<Scalar, Exec>>()> make, Overrides overrides,
+                  bool skipped, long step) {
+    auto block = make();
     const std::string& name = block->name();
     if (name.empty()) throw Error("", "register_layer: a layer name must not be empty");
     if (index_.count(name)) throw Error(name, "a layer with this name is already registered");
     entry_type e;
     e.block = std::move(block);
+    e.make_block = std::move(make);
     e.overrides = std::move(overrides);
     e.skipped = skipped;
     // A layer registered after training started gets statistics and a decomposition at the

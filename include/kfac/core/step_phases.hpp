@@ -27,6 +27,7 @@ namespace impl {
 struct Due {
   bool factor = false, inv = false;
   StepValues values{};
+  bool defer = false;  ///< the due decomposition is swapped in decomposition_delay steps later
 };
 
 /// Counts the non-finite values of a state buffer.
@@ -70,19 +71,38 @@ void share_owned_factors(const Exec& exec, const Registry<Scalar, Exec>& reg, co
   dist.share_factors(exec, owned);
 }
 
+/// What step `step` does to each layer. A due decomposition is deferred (Options::
+/// decomposition_delay) when the layer has decomposable units and a decomposition in use on
+/// every holder (`fresh`: not so after a registration or a load that restored none). Throws
+/// when a decomposition falls due while the layer's previous one is still in flight.
+template <class Scalar, class Exec>
+std::vector<Due> due_at(const Registry<Scalar, Exec>& reg, const Options& o, long step, bool fresh) {
+  std::vector<Due> due(reg.size());
+  for (std::size_t l = 0; l < reg.size(); ++l) {
+    const auto& e = reg[l];
+    due[l] = {step >= e.schedule.next_factor, step >= e.schedule.next_inv, e.values_at(o, step)};
+    due[l].defer = due[l].inv && o.decomposition_delay > 0 && !fresh && e.schedule.last_inv >= 0 && e.block->units() > 0;
+    if (due[l].inv && !e.skipped && e.in_flight() && step < e.deferred->swap_at())
+      throw Error(e.block->name(), "a decomposition is due at step " + std::to_string(step) + " while the one of step " +
+                                       std::to_string(e.deferred->launched_at()) + " is swapped in only at step " +
+                                       std::to_string(e.deferred->swap_at()) + ": decomposition_delay (" +
+                                       std::to_string(o.decomposition_delay) + ") must not exceed inv_update_steps");
+  }
+  return due;
+}
+
 template <class Scalar, class Exec, class Dist>
 class StepPhases {
  public:
   StepPhases(const Exec& exec, Registry<Scalar, Exec>& reg, Dist& dist, const Options& o,
-             const std::vector<Due>& due)
-      : exec_(exec), reg_(reg), dist_(dist), o_(o), due_(due) {}
+             const std::vector<Due>& due, long step)
+      : exec_(exec), reg_(reg), dist_(dist), o_(o), due_(due), step_(step) {}
 
   /// Updates the due layers' statistics and averages them over the replica group. When the
   /// step also decomposes, the old statistics are kept first, for a rollback.
   void update_statistics() {
     const ScopedRegion region("kfac::step::statistics");
-    bool decomposes = false;
-    for (const auto& d : due_) decomposes = decomposes || d.inv;
+    const bool decomposes = decomposes_now();
     std::vector<FactorBuffer> averaged;
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       auto& e = reg_[l];
@@ -118,60 +138,31 @@ class StepPhases {
     dist_.average(exec_, averaged, o_);
   }
 
-  /// Computes this rank's units, agrees with every rank on failures (one collective, only on
-  /// steps that decompose), then shares the units. On a failure anywhere, every rank restores
-  /// its state and throws. Returns the number of damping retries that were needed.
+  /// Computes this rank's units, and swaps in the deferred decompositions due now; agrees with
+  /// every rank on failures (one collective, only on steps that decompose or swap), then
+  /// shares the units; then launches the decompositions deferred from this step. On a failure
+  /// anywhere, every rank restores its state, drops the decompositions due to be swapped in,
+  /// and throws. Returns the number of damping retries that were needed.
   long decompose() {
-    bool any = false;
-    for (std::size_t l = 0; l < reg_.size(); ++l) any = any || needs(l);
-    if (!any) return 0;
-    const ScopedRegion region("kfac::step::decompose");
-    std::optional<Error> failed;
-    long failed_layer = 0, retries = 0;  // failed_layer is 1-based, 0 = none
-    for (std::size_t l = 0; l < reg_.size() && !failed; ++l) {
-      auto& e = reg_[l];
-      if (!needs(l) || e.block->units() == 0 || !dist_.holds(l)) continue;
-      e.block->allocate_units();
-      for (int u = 0; u < e.block->units() && !failed; ++u) {
-        if (!dist_.computes(l, u)) continue;
-        if (e.decomposed)
-          for (const auto& b : e.block->unit_buffers(u)) backup_.save(exec_, b);
-        try {
-          retries += with_retries(e, u, due_[l].values.damping);
-        } catch (const Error& err) {
-          failed = err;
-        } catch (const std::exception& err) {  // e.g. std::bad_alloc inside a solver
-          failed = Error(e.block->name(), std::string("decomposition failed: ") + err.what());
-        }
-        if (failed) failed_layer = long(l) + 1;
-      }
-    }
-    // The lowest failing rank tells every rank what failed, so that all throw the same error.
-    const int world = dist_.agreement_size(), rank = world == 1 ? 0 : dist_.comm().rank();
-    const long verdict = dist_.agree_max(failed_layer > 0 ? long(world - rank) : 0L);
-    if (verdict > 0) {
-      rollback();
-      if (world == 1) throw *failed;
-      const int root = world - int(verdict);
-      const bool me = rank == root;
-      const std::string layer = dist_.share_message(me ? failed->layer() : "", root);
-      const std::string what = dist_.share_message(me ? bare_message(*failed) : "", root);
-      throw Error(layer, what + " (on rank " + std::to_string(root) + "; every rank restored its state)");
-    }
-    for (std::size_t l = 0; l < reg_.size(); ++l) {
-      auto& e = reg_[l];
-      if (!needs(l) || !dist_.holds(l)) continue;
-      const double damping = due_[l].values.damping;
-      if (e.block->units() > 0) {
-        exec_.fence();
-        for (int u = 0; u < e.block->units(); ++u) dist_.share_unit(l, u, e.block->unit_buffers(u));
-      }
-      e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
-      e.decomposed = true;
-      e.decomposition_damping = damping;
-    }
-    backup_.clear();
+    long retries = 0;
+    if (decomposes_now()) retries = decompose_now();
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (launches(l)) launch(l);
     return retries;
+  }
+
+  /// Starts layer l's deferred decomposition from its statistics of this step (Options::
+  /// decomposition_delay), on every rank: the ranks that compute none of its units only
+  /// keep the schedule.
+  void launch(std::size_t l) {
+    auto& e = reg_[l];
+    if (!e.deferred) e.deferred = std::make_unique<DeferredDecomposition<Scalar, Exec>>();
+    std::vector<int> mine;
+    for (int u = 0; dist_.holds(l) && u < e.block->units(); ++u)
+      if (dist_.computes(l, u)) mine.push_back(u);
+    const auto fill = [&](Block<Scalar, Exec>& shadow) { copy_into(exec_, e.block->checkpoint_state(), shadow.checkpoint_state()); };
+    e.deferred->launch(exec_, e.make_block, fill, std::move(mine), due_[l].values.damping, step_,
+                       step_ + o_.decomposition_delay);
   }
 
   /// The step succeeded: observations are consumed and the schedules advance.
@@ -223,32 +214,112 @@ class StepPhases {
   }
 
  private:
+  /// Layer l decomposes at once.
   bool needs(std::size_t l) const {
     const auto& e = reg_[l];
-    return !e.skipped && (due_[l].inv || (!e.decomposed && dist_.holds(l)));
+    return !e.skipped && ((due_[l].inv && !due_[l].defer) || (!e.decomposed && dist_.holds(l)));
+  }
+  /// Layer l's deferred decomposition is swapped in at this step (the first that runs from its
+  /// swap step on: a skipped step swaps nothing).
+  bool swaps(std::size_t l) const { return !reg_[l].skipped && reg_[l].in_flight() && step_ >= reg_[l].deferred->swap_at(); }
+  bool launches(std::size_t l) const { return !reg_[l].skipped && due_[l].inv && due_[l].defer; }
+  bool decomposes_now() const {
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (needs(l) || swaps(l)) return true;
+    return false;
+  }
+
+  long decompose_now() {
+    const ScopedRegion region("kfac::step::decompose");
+    std::optional<Error> failed;
+    long failed_layer = 0, retries = 0;  // failed_layer is 1-based, 0 = none
+    for (std::size_t l = 0; l < reg_.size() && !failed; ++l) {
+      auto& e = reg_[l];
+      const bool swap = swaps(l);
+      if (!(swap || needs(l)) || e.block->units() == 0 || !dist_.holds(l)) continue;
+      e.block->allocate_units();
+      std::vector<int> units;
+      if (swap) {
+        e.deferred->wait();
+        units = e.deferred->units();
+      } else {
+        e.block->prepare_decomposition(exec_);
+        for (int u = 0; u < e.block->units(); ++u)
+          if (dist_.computes(l, u)) units.push_back(u);
+      }
+      for (std::size_t k = 0; k < units.size() && !failed; ++k) {
+        const int u = units[k];
+        if (e.decomposed)
+          for (const auto& b : e.block->unit_buffers(u)) backup_.save(exec_, b);
+        try {
+          if (!swap) {
+            retries += with_retries(*e.block, u, due_[l].values.damping);
+          } else {  // the first attempt ran in flight; retries, if any, run here on the shadow
+            retries += with_retries(e.deferred->shadow(), u, e.deferred->damping(), &e.deferred->failure(k));
+            copy_into(exec_, e.deferred->shadow().unit_buffers(u), e.block->unit_buffers(u));
+          }
+        } catch (const Error& err) {
+          failed = err;
+        } catch (const std::exception& err) {  // e.g. std::bad_alloc inside a solver
+          failed = Error(e.block->name(), std::string("decomposition failed: ") + err.what());
+        }
+        if (failed) failed_layer = long(l) + 1;
+      }
+    }
+    // The lowest failing rank tells every rank what failed, so that all throw the same error.
+    const int world = dist_.agreement_size(), rank = world == 1 ? 0 : dist_.comm().rank();
+    const long verdict = dist_.agree_max(failed_layer > 0 ? long(world - rank) : 0L);
+    if (verdict > 0) {
+      rollback();
+      for (std::size_t l = 0; l < reg_.size(); ++l)
+        if (swaps(l)) reg_[l].deferred->drop();
+      if (world == 1) throw *failed;
+      const int root = world - int(verdict);
+      const bool me = rank == root;
+      const std::string layer = dist_.share_message(me ? failed->layer() : "", root);
+      const std::string what = dist_.share_message(me ? bare_message(*failed) : "", root);
+      throw Error(layer, what + " (on rank " + std::to_string(root) + "; every rank restored its state)");
+    }
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      auto& e = reg_[l];
+      const bool swap = swaps(l);
+      if (!(swap || needs(l)) || !dist_.holds(l)) continue;
+      const double damping = swap ? e.deferred->damping() : due_[l].values.damping;
+      if (e.block->units() > 0) {
+        exec_.fence();
+        for (int u = 0; u < e.block->units(); ++u) dist_.share_unit(l, u, e.block->unit_buffers(u));
+      }
+      e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
+      e.decomposed = true;
+      e.decomposition_damping = damping;
+    }
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (swaps(l)) reg_[l].deferred->drop();
+    backup_.clear();
+    return retries;
   }
 
   /// A failed decomposition (LAPACK info, Cholesky breakdown, Newton-Schulz divergence, NaN/Inf
   /// in the result) is retried with damping x damping_retry_factor, up to max_damping_retries
   /// times (Block::decompose_retry: a changed problem, not the same computation again), then
   /// reported.
-  long with_retries(Entry<Scalar, Exec>& e, int u, double damping) {
+  /// `first`: the first attempt already ran (a deferred decomposition), with this outcome.
+  long with_retries(Block<Scalar, Exec>& b, int u, double damping, const std::exception_ptr* first = nullptr) {
     double d = damping;
     for (int attempt = 0;; ++attempt) {
       try {
-        if (attempt == 0) e.block->decompose(exec_, u, d);
-        else e.block->decompose_retry(exec_, u, d, attempt);
-        for (const auto& b : e.block->unit_buffers(u))
-          if (nonfinite_in(exec_, b) > 0)
-            throw Error(e.block->name(), "decomposition has NaN/Inf values (is the factor finite?)");
+        if (attempt > 0) b.decompose_retry(exec_, u, d, attempt);
+        else if (!first) b.decompose(exec_, u, d);
+        else if (*first) std::rethrow_exception(*first);
+        for (const auto& buf : b.unit_buffers(u))
+          if (nonfinite_in(exec_, buf) > 0)
+            throw Error(b.name(), "decomposition has NaN/Inf values (is the factor finite?)");
         return attempt > 0 ? 1 : 0;
       } catch (const Error& err) {
         if (attempt >= o_.max_damping_retries)
-          throw Error(e.block->name(), "decomposition of " +
-                                           (e.block->units() == 2 ? std::string(u == 0 ? "A" : "G")
-                                                                  : "unit " + std::to_string(u)) +
-                                           " failed after " + std::to_string(attempt) +
-                                           " damping increase(s): " + err.what());
+          throw Error(b.name(), "decomposition of " +
+                                    (b.units() == 2 ? std::string(u == 0 ? "A" : "G") : "unit " + std::to_string(u)) +
+                                    " failed after " + std::to_string(attempt) + " damping increase(s): " + err.what());
         d *= o_.damping_retry_factor;
       }
     }
@@ -281,6 +352,7 @@ class StepPhases {
   Dist& dist_;
   const Options& o_;
   const std::vector<Due>& due_;
+  const long step_;
   StateBackup<Exec> backup_;
   std::vector<char> had_state_;
   std::vector<Kokkos::View<char*, typename Exec::memory_space>> kept_;

@@ -59,6 +59,9 @@ template <class Backend = AutoBackend>
 struct Cholesky : impl::PiDamping<Cholesky<Backend>> {
   static constexpr const char* name = "cholesky";
   static constexpr bool damping_at_apply = false;
+  /// compute() on the LAPACK path launches only range kernels and copies: it may run on a
+  /// second host thread (Block::decomposes_off_thread).
+  static constexpr bool host_thread_safe = true;
   using backend_type = Backend;
   /// "pi" with π-damping; "" for kfac 0.1's π = 1, whose checkpoints then still load.
   std::string settings() const { return this->pi_damping ? "pi" : ""; }

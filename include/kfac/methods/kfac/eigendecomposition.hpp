@@ -24,6 +24,9 @@ template <class Backend = AutoBackend>
 struct Eigendecomposition {
   static constexpr const char* name = "eigen";
   static constexpr bool damping_at_apply = true;
+  /// compute() on the LAPACK path launches only range kernels and copies: it may run on a
+  /// second host thread (Block::decomposes_off_thread).
+  static constexpr bool host_thread_safe = true;
   using backend_type = Backend;
 
   int jacobi_sweeps = 60;

@@ -84,6 +84,11 @@ template <class P, class = void>
 struct has_pi_damping : std::false_type {};
 template <class P>
 struct has_pi_damping<P, std::void_t<decltype(std::declval<const P&>().pi_damping)>> : std::true_type {};
+template <class P, class = void>
+struct host_thread_safe : std::false_type {};
+template <class P>
+struct host_thread_safe<P, std::void_t<decltype(P::host_thread_safe), typename P::backend_type>>
+    : std::integral_constant<bool, P::host_thread_safe> {};
 
 }  // namespace impl
 
@@ -212,6 +217,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   void allocate_state() override {
     allocate_factor_storage();
     has_factors_ = true;
+    pi_ = 0;
   }
   void release_state() override {
     a_ = FMatrix();
@@ -223,6 +229,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     accumulate(exec, a_pending_, a_norm_, decay, a_);
     accumulate(exec, g_pending_, g_norm_, decay, g_);
     has_factors_ = true;
+    pi_ = 0;
   }
   bool has_statistics() const override { return has_factors_; }
 
@@ -276,12 +283,21 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
       const double shift = attempt > 0 && InversePolicy::damping_at_apply ? damping : 0.0;
       // Explicit inverses add sqrt(damping) to their factor: damping pi^2 for A and
       // damping / pi^2 for G give pi sqrt(damping) and sqrt(damping) / pi (pi = 1: unchanged).
-      const double pi = pi_damping(exec);
+      const double pi = pi_ > 0 ? pi_ : pi_damping(exec);
       if (which == 0) fa_->compute(exec, a_, pi == 1.0 ? damping : damping * pi * pi, inversion_, shift);
       else fg_->compute(exec, g_, pi == 1.0 ? damping : damping / (pi * pi), inversion_, shift);
     } else {
       (void)exec; (void)which; (void)damping; (void)attempt;
     }
+  }
+  void prepare_decomposition(const Exec& exec) override { pi_ = pi_damping(exec); }
+  bool decomposes_off_thread() const override {
+#if defined(KOKKOS_ENABLE_SERIAL)
+    if constexpr (!diagonal && impl::host_thread_safe<InversePolicy>::value)
+      return std::is_same<Exec, Kokkos::Serial>::value && std::is_same<Kokkos::DefaultHostExecutionSpace, Kokkos::Serial>::value &&
+             impl::use_lapack_v<Exec, typename InversePolicy::backend_type>;
+#endif
+    return false;
   }
   void finish_decomposition(const Exec& exec, double damping, bool precompute) override {
     if constexpr (!diagonal && InversePolicy::damping_at_apply) {
@@ -467,6 +483,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   int a_count_ = 0, g_count_ = 0;   // observations folded in this step
   double a_norm_ = 0, g_norm_ = 0;
   double a_trace_ = 0, g_trace_ = 0;  // sums of squares of the pending rows, in double
+  double pi_ = 0;  // pi of the factors being decomposed (prepare_decomposition); 0: not known
   long a_samples_ = 0, g_samples_ = 0;
   FMatrix a_, g_;
   bool has_factors_ = false;
