@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <sstream>
@@ -161,6 +162,39 @@ void check_strategy(double fraction, bool to_owner = false, bool colocate = true
   CHECK(identical_on_all_ranks(got));
 }
 
+/// Options::split_preconditioning: the same comparison, and the divided applies really run:
+/// where a layer has more than one gradient worker, its all-gathers add to the bytes a rank sends
+/// (the same run without the option is the baseline), and nowhere else. `small_messages`: MPI
+/// calls of at most 16 bytes, so the all-gathers go as broadcasts in pieces.
+template <class Factor, class Inverse = kfac::Eigendecomposition<>>
+void check_split(double fraction, bool to_owner = false, bool reciprocal = false, bool small_messages = false) {
+  const int rank = world_rank(), size = world_size();
+  const auto opts = [&](double f) { return options(f).with_reduce_to_owner(to_owner).with_precompute_reciprocal(reciprocal); };
+  kfac::Preconditioner<double, Host> single(opts(1.0));
+  register_all<Factor, Inverse>(single);
+  const auto expect = run(single, 0, 1, 5);
+
+  kfac::MpiComm plain_comm(MPI_COMM_WORLD), split_comm(MPI_COMM_WORLD);
+  if (small_messages) {
+    plain_comm.with_max_message_bytes(16);
+    split_comm.with_max_message_bytes(16);
+  }
+  kfac::Preconditioner<double, Host, kfac::MpiComm> plain(opts(fraction), Host(), plain_comm);
+  kfac::Preconditioner<double, Host, kfac::MpiComm> split(opts(fraction).with_split_preconditioning(true), Host(), split_comm);
+  register_all<Factor, Inverse>(plain);
+  register_all<Factor, Inverse>(split);
+  run(plain, rank, size, 5);
+  const auto got = run(split, rank, size, 5);
+  REQUIRE(got.size() == expect.size());
+  const bool divided = size > 1 && std::lround(fraction * size) > 1;
+  INFO("rank " << rank << " of " << size << ", fraction " << fraction << ", relative difference "
+               << rel_diff(got, expect) << ", bytes " << split_comm.bytes_sent() << " vs " << plain_comm.bytes_sent());
+  CHECK(rel_diff(got, expect) < 1e-10);
+  CHECK(identical_on_all_ranks(got));
+  CHECK((split_comm.bytes_sent() > plain_comm.bytes_sent()) == divided);
+  if (!divided) CHECK(split_comm.bytes_sent() == plain_comm.bytes_sent());
+}
+
 }  // namespace
 
 TEST_CASE("distributed K-FAC equals the single-process result", "[mpi][distributed]") {
@@ -172,8 +206,19 @@ TEST_CASE("distributed K-FAC equals the single-process result", "[mpi][distribut
   SECTION("COMM-OPT, Cholesky") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0); }
   SECTION("MEM-OPT, Cholesky") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size); }
   SECTION("COMM-OPT, Newton-Schulz") { check_strategy<kfac::Symmetric, kfac::NewtonSchulz>(1.0); }
+  SECTION("COMM-OPT, Cholesky, split preconditioning") { check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0); }
+  SECTION("COMM-OPT, Cholesky, split preconditioning, 16-byte messages") {
+    check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0, false, false, true);
+  }
+  SECTION("COMM-OPT, Newton-Schulz, split preconditioning") { check_split<kfac::Symmetric, kfac::NewtonSchulz>(1.0); }
+  SECTION("COMM-OPT, eigen, split preconditioning") { check_split<kfac::Symmetric>(1.0); }
+  SECTION("COMM-OPT, eigen, full, precomputed reciprocal, split preconditioning") { check_split<kfac::Full>(1.0, false, true); }
+  SECTION("MEM-OPT, Cholesky, split preconditioning") { check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size); }
+  SECTION("MEM-OPT, eigen, split preconditioning") { check_split<kfac::Symmetric>(1.0 / size); }
   if (size % 2 == 0 && size > 2) {
     SECTION("HYBRID 0.5") { check_strategy<kfac::Symmetric>(0.5); }
+    SECTION("HYBRID 0.5, eigen, split preconditioning") { check_split<kfac::Symmetric>(0.5); }
+    SECTION("HYBRID 0.5, Cholesky, split preconditioning") { check_split<kfac::Symmetric, kfac::Cholesky<>>(0.5); }
   }
 }
 
@@ -187,7 +232,11 @@ TEST_CASE("reduce-to-owner equals the single-process result", "[mpi][distributed
   if (size % 2 == 0 && size > 2) {
     SECTION("HYBRID 0.5") { check_strategy<kfac::Symmetric>(0.5, true); }
     SECTION("HYBRID 0.5, factors apart") { check_strategy<kfac::Symmetric>(0.5, true, false); }
+    SECTION("HYBRID 0.5, eigen, split preconditioning") { check_split<kfac::Symmetric>(0.5, true); }
   }
+  SECTION("COMM-OPT, Cholesky, split preconditioning") { check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0, true); }
+  SECTION("COMM-OPT, eigen, split preconditioning") { check_split<kfac::Symmetric>(1.0, true); }
+  SECTION("MEM-OPT, Cholesky, split preconditioning") { check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size, true); }
 }
 
 TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes]") {
@@ -272,16 +321,19 @@ TEST_CASE("mismatched registration raises the same error on every rank", "[mpi][
   CHECK(pre.step_count() == 0);
 }
 
-TEST_CASE("ranks that disagree on reduce_to_owner raise the same error and change nothing", "[mpi][errors][owner]") {
-  // The option changes which collectives run; the registration check refuses it before any.
+TEST_CASE("ranks that disagree on reduce_to_owner or split_preconditioning raise the same error and change nothing",
+          "[mpi][errors][owner][split]") {
+  // Both options change which collectives run; the registration check refuses them before any.
   const int rank = world_rank(), size = world_size();
   if (size == 1) return;
-  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0).with_reduce_to_owner(rank == size - 1), Host(),
-                                                        kfac::MpiComm(MPI_COMM_WORLD));
-  register_all<kfac::Symmetric>(pre);
-  CHECK_THROWS_WITH(run(pre, rank, size, 1), Catch::Contains("ranks registered different layers"));
-  CHECK(pre.step_count() == 0);
-  CHECK_FALSE(pre.layer("fc1").has_factors());
+  const bool odd = rank == size - 1;
+  for (const auto& o : {options(1.0).with_reduce_to_owner(odd), options(1.0).with_split_preconditioning(odd)}) {
+    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(o, Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    register_all<kfac::Symmetric>(pre);
+    CHECK_THROWS_WITH(run(pre, rank, size, 1), Catch::Contains("ranks registered different layers"));
+    CHECK(pre.step_count() == 0);
+    CHECK_FALSE(pre.layer("fc1").has_factors());
+  }
 }
 
 TEST_CASE("GradientAverager averages bucketed gradients bit-identically", "[mpi][data_parallel]") {

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Strong scaling of the Fashion-MNIST demo (issue 16): the same global batch split over 1, 2 and
 # 4 ranks, one OpenBLAS thread per rank, SGD and K-FAC under every KAISA strategy, with and
-# without reduce-to-owner. Prints one Markdown row per run: s/epoch, time to the target accuracy,
+# without reduce-to-owner and split preconditioning. Prints one Markdown row per run: s/epoch, time to the target accuracy,
 # and the bytes rank 0 sent per step (gradient averaging + K-FAC's collectives, as the demo
 # counts them with kfac::MpiComm::bytes_sent()).
 #
 # Usage: benchmarks/distributed/strong_scaling.sh BUILD_DIR
 # Environment (defaults in brackets): MODELS [mlp cnn], RANKS [1 2 4], EPOCHS [2], SEED [1],
 #   TRAIN_SUBSET [0 = all 60000], TEST_SUBSET [0 = all], TARGET [0.88 for mlp, 0.85 for cnn],
-#   OWNER [0 1] (reduce-to-owner settings tried), OUT [a temporary folder], DATA [the demo's].
+#   OWNER [0 1] (reduce-to-owner settings tried), SPLIT [0 1] (split-preconditioning settings tried),
+#   OUT [a temporary folder], DATA [the demo's].
 # Runs with more ranks than cores are labelled "oversubscribed": their times are not scaling.
 set -euo pipefail
 build=${1:?usage: strong_scaling.sh BUILD_DIR}
@@ -19,6 +20,7 @@ ranks_list=${RANKS:-1 2 4}
 epochs=${EPOCHS:-2}
 seed=${SEED:-1}
 owners=${OWNER:-0 1}
+splits=${SPLIT:-0 1}
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 cores=$(nproc)
@@ -46,25 +48,30 @@ run() {
     }' "$dir/log.csv"
 }
 
-echo "| model | ranks | optimizer | strategy | reduce-to-owner | s/epoch | time to target | bytes/step (rank 0) |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| model | ranks | optimizer | strategy | reduce-to-owner | split | s/epoch | time to target | bytes/step (rank 0) |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for model in $models; do
   target=${TARGET:-$([ "$model" = mlp ] && echo 0.88 || echo 0.85)}
   for np in $ranks_list; do
     label=$np
     [ "$np" -gt "$cores" ] && label="$np (oversubscribed)"
     IFS='|' read -r se tt bs < <(run "$np" "$out/$model-np$np-sgd" --model "$model" --optimizer sgd --target-acc "$target")
-    echo "| $model | $label | SGD | - | - | $se | $tt | $bs |"
+    echo "| $model | $label | SGD | - | - | - | $se | $tt | $bs |"
     strategies="comm-opt"
     [ "$np" -gt 1 ] && strategies="comm-opt mem-opt"
     [ "$np" -gt 2 ] && strategies="comm-opt hybrid mem-opt"
     for strategy in $strategies; do
       here=$owners
-      [ "$np" -eq 1 ] && here=0  # one process sends nothing
+      here_split=$splits
+      [ "$np" -eq 1 ] && here=0 && here_split=0  # one process sends nothing and divides nothing
+      [ "$strategy" = mem-opt ] && here_split=0   # one gradient worker per layer: nothing to divide
       for own in $here; do
-        IFS='|' read -r se tt bs < <(run "$np" "$out/$model-np$np-$strategy-own$own" --model "$model" --optimizer kfac \
-          --strategy "$strategy" --reduce-to-owner "$own" --target-acc "$target")
-        echo "| $model | $label | K-FAC | $strategy | $own | $se | $tt | $bs |"
+        for split in $here_split; do
+          IFS='|' read -r se tt bs < <(run "$np" "$out/$model-np$np-$strategy-own$own-split$split" --model "$model" \
+            --optimizer kfac --strategy "$strategy" --reduce-to-owner "$own" --split-preconditioning "$split" \
+            --target-acc "$target")
+          echo "| $model | $label | K-FAC | $strategy | $own | $split | $se | $tt | $bs |"
+        done
       done
     done
   done

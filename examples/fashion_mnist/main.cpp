@@ -72,6 +72,8 @@ void usage() {
       "                                  gradient-worker fraction 1, 1/2 or 1/P (default comm-opt)\n"
       "  --grad-worker-fraction F        the fraction itself, in [1/P, 1] (overrides --strategy)\n"
       "  --reduce-to-owner 0|1           under mpiexec: sum each K-FAC factor only to the rank that inverts it (default 0)\n"
+      "  --split-preconditioning 0|1     under mpiexec: divide each layer's preconditioning among its gradient workers\n"
+      "                                  by rows, then all-gather them (default 0)\n"
       "  --ngsgd-period N --ngsgd-alpha X --ngsgd-rank R   NG-SGD settings (default 4, 4, 20; Kaldi's ranks:\n"
       "                                  --ngsgd-rank -1 = min(20|80, (d+1)/2))\n"
       "  --average-every N               under mpiexec: each rank trains on its own shard, parameters averaged\n"
@@ -169,6 +171,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--strategy") a.train.kfac.strategy = value;
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
     else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
+    else if (key == "--split-preconditioning") num(a.train.kfac.split_preconditioning);
     else if (key == "--seed" || key == "--seeds") {
       a.seeds.clear();
       for (double v : to_numbers(key, value)) {
@@ -236,6 +239,7 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
       n += b;
     }
     if (s.kfac.reduce_to_owner) n += "+own";
+    if (s.kfac.split_preconditioning) n += "+split";
   }
   return n;
 }
@@ -365,9 +369,10 @@ int run(const Args& args, const nn::World& world) {
     std::printf("\ntimes count training steps only (test evaluations are excluded)\n");
     if (world.size() > 1 && std::find(kinds.begin(), kinds.end(), nn::OptimizerKind::kfac) != kinds.end()) {
       const double f = nn::resolve_grad_worker_fraction(args.train.kfac, world.size());
-      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer)%s\n",
+      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer%s)%s\n",
                   f, args.train.kfac.grad_worker_fraction > 0 ? "--grad-worker-fraction" : args.train.kfac.strategy.c_str(),
                   int(std::lround(f * world.size())), world.size(),
+                  args.train.kfac.split_preconditioning ? ", each a block of its rows (split preconditioning)" : "",
                   args.train.kfac.reduce_to_owner ? ", factors reduced to their owners" : "");
     }
   }

@@ -74,7 +74,8 @@ struct UnitCost {
 /// - decomposable units (units(), K-FAC: A and G; closed forms: none): each is computed on one
 ///   rank, shared as unit_buffers(u), and finish_decomposition() runs once all are in place;
 /// - preconditioning: load_gradient, apply, inner_product (for KL clipping), preconditioned()
-///   (the buffer shared with gradient receivers), write_back.
+///   (the buffer shared with gradient receivers), write_back; optionally a divided apply
+///   (split_passes, apply_rows) whose rows the layer's holders compute in parts and gather.
 /// Virtual calls happen on the host, once per layer and phase; the kernels inside are templates.
 template <class Scalar, class Exec>
 class Block {
@@ -150,6 +151,18 @@ class Block {
   virtual void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) = 0;
   /// V = preconditioned X, into the block's output buffer.
   virtual void apply(const Exec& exec, double damping) = 0;
+
+  // Split preconditioning (Options::split_preconditioning). The defaults describe a block whose
+  // apply() is not divided (closed forms, BatchNorm, NG-SGD): it then overrides none of these.
+  /// Passes of a divided apply (0: not divisible). Pass k computes rows [r0, r1) of its output
+  /// in preconditioned(); the ranks sharing the layer gather every pass's rows before pass k + 1
+  /// starts, and the last pass's output is V.
+  virtual int split_passes() const { return 0; }
+  /// Output rows (K-FAC: the weight gradient's rows g); row i is values [i c, (i + 1) c) of
+  /// preconditioned(), c = its count / split_rows().
+  virtual index_t split_rows() const { return 0; }
+  /// Pass `pass` of a divided apply, rows [r0, r1) (possibly empty) of its output.
+  virtual void apply_rows(const Exec&, double, int, index_t, index_t) {}
   /// sum(V .* X), for KL clipping.
   virtual double inner_product(const Exec& exec) const = 0;
   virtual Buffer preconditioned() = 0;
@@ -168,6 +181,13 @@ class Block {
  private:
   std::string name_;
 };
+
+/// Rows [first, second) of `rows` that part `part` of `parts` computes under split
+/// preconditioning: contiguous blocks, sizes differing by at most one, in part order.
+inline std::pair<index_t, index_t> row_block(index_t rows, int part, int parts) {
+  const auto at = [&](int k) { return index_t((long long)rows * k / parts); };
+  return {at(part), at(part + 1)};
+}
 
 template <class V>
 Buffer buffer_of(const V& v) {

@@ -101,6 +101,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | GroupLayout | group_layout | which KAISA groups are consecutive ranks | contiguous_receivers |
 /// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
 /// | bool | reduce_to_owner | reduce each decomposed factor only to the rank that decomposes it (MPI_Reduce), not to every rank; halves the factor bytes; save() becomes collective | false |
+/// | bool | split_preconditioning | divide each layer's preconditioning among the ranks that hold its decompositions (its gradient workers; every rank under COMM-OPT): each computes a block of the output's rows, then they all-gather them (explicit inverses: one all-gather; eigen: two) | false |
 /// | CommPrecision | comm_precision | payload type of factor averaging | native |
 /// | NonFinitePolicy | nonfinite | raise at once, or skip the step on every rank | raise |
 /// | int | max_damping_retries | decomposition failures retried with more damping | 3 |
@@ -122,6 +123,7 @@ struct Options {
   GroupLayout group_layout = GroupLayout::contiguous_receivers;
   std::size_t bucket_bytes = std::size_t(16) << 20;
   bool reduce_to_owner = false;
+  bool split_preconditioning = false;
   CommPrecision comm_precision = CommPrecision::native;
   NonFinitePolicy nonfinite = NonFinitePolicy::raise;
   int max_damping_retries = 3;
@@ -143,6 +145,7 @@ struct Options {
   Options& with_group_layout(GroupLayout g) { group_layout = g; return *this; }
   Options& with_bucket_bytes(std::size_t b) { bucket_bytes = b; return *this; }
   Options& with_reduce_to_owner(bool b) { reduce_to_owner = b; return *this; }
+  Options& with_split_preconditioning(bool b) { split_preconditioning = b; return *this; }
   Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
   Options& with_nonfinite_policy(NonFinitePolicy p) { nonfinite = p; return *this; }
   Options& with_max_damping_retries(int n) { max_damping_retries = n; return *this; }

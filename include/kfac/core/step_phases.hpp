@@ -199,14 +199,20 @@ class StepPhases {
   /// Holders precondition their layers; receivers get V from their group's holder. Every rank
   /// first preconditions all of its own layers and only then takes part in the broadcasts, so
   /// that under MEM-OPT/HYBRID the ranks' GEMMs overlap instead of taking turns.
+  /// Under Options::split_preconditioning a layer's holders divide its apply by rows and
+  /// gather the rows after each pass (precondition_split).
   void precondition() {
     const ScopedRegion region("kfac::step::precondition");
+    std::vector<int> passes(reg_.size(), 0);  // of the divided applies; 0: applied whole
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       auto& e = reg_[l];
       if (e.skipped) continue;
       e.block->load_gradient(exec_, e.w, e.b);  // receivers too: X enters the KL-clip sum
-      if (dist_.holds(l)) e.block->apply(exec_, due_[l].values.damping);
+      if (!dist_.holds(l)) continue;
+      if (dist_.split_parts(o_, l) > 1) passes[l] = e.block->split_passes();
+      if (passes[l] == 0) e.block->apply(exec_, due_[l].values.damping);
     }
+    precondition_split(passes);
     if (!dist_.shares_gradients()) return;
     exec_.fence();
     for (std::size_t l = 0; l < reg_.size(); ++l)
@@ -214,6 +220,24 @@ class StepPhases {
   }
 
  private:
+  /// The divided applies, pass by pass: each holder computes its rows of every divided layer,
+  /// then the rows are gathered layer by layer (so that the ranks' GEMMs overlap), then the
+  /// next pass. Every row is computed by one rank, so the holders end with the same bits.
+  void precondition_split(const std::vector<int>& passes) {
+    const int most = passes.empty() ? 0 : *std::max_element(passes.begin(), passes.end());
+    for (int pass = 0; pass < most; ++pass) {
+      for (std::size_t l = 0; l < reg_.size(); ++l) {
+        if (passes[l] <= pass) continue;
+        auto& b = *reg_[l].block;
+        const auto rows = row_block(b.split_rows(), dist_.split_part(l), dist_.split_parts(o_, l));
+        b.apply_rows(exec_, due_[l].values.damping, pass, rows.first, rows.second);
+      }
+      exec_.fence();
+      for (std::size_t l = 0; l < reg_.size(); ++l)
+        if (passes[l] > pass) dist_.gather_rows(l, reg_[l].block->preconditioned(), reg_[l].block->split_rows());
+    }
+  }
+
   /// Layer l decomposes at once.
   bool needs(std::size_t l) const {
     const auto& e = reg_[l];

@@ -48,6 +48,10 @@ struct Independent {
     void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}
     void share_gradient(std::size_t, const impl::Buffer&) {}
     bool shares_gradients() const { return false; }
+    /// No rank shares a layer's preconditioning (Options::split_preconditioning does nothing).
+    int split_parts(const Options&, std::size_t) const { return 1; }
+    int split_part(std::size_t) const { return 0; }
+    void gather_rows(std::size_t, const impl::Buffer&, index_t) {}
 
    private:
     Comm comm_;

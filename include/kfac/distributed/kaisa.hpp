@@ -44,7 +44,8 @@ struct Kaisa {
       return "kaisa:f=" + std::to_string(o.grad_worker_fraction) +
              ";c=" + std::to_string(int(o.assignment_cost)) +
              ";co=" + std::to_string(int(o.colocate_factors)) + ";g=" + std::to_string(int(o.group_layout)) +
-             ";p=" + std::to_string(int(o.comm_precision)) + ";o=" + std::to_string(int(o.reduce_to_owner)) + ";";
+             ";p=" + std::to_string(int(o.comm_precision)) + ";o=" + std::to_string(int(o.reduce_to_owner)) +
+             ";sp=" + std::to_string(int(o.split_preconditioning)) + ";";
     }
     /// Collective: true on every rank when every rank passed the same signature.
     bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
@@ -146,6 +147,26 @@ struct Kaisa {
     }
     /// True when some layer's gradient travels (a fence is needed before the broadcasts).
     bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
+    /// Split preconditioning: the ranks that divide layer l's preconditioning among them, its
+    /// worker group under Options::split_preconditioning (every rank under COMM-OPT), else 1.
+    int split_parts(const Options& o, std::size_t l) const {
+      return o.split_preconditioning && comm_.size() > 1 && units_.at(l) > 0 ? assignment_.grad_workers() : 1;
+    }
+    /// This rank's part of a divided layer: its index in the layer's worker group.
+    int split_part(std::size_t) const { return assignment_.receiver_group_of(comm_.rank()); }
+    /// Collective over layer l's worker group: every member gets the others' row blocks
+    /// (impl::row_block) of `b`, a matrix of `rows` rows stored row after row.
+    void gather_rows(std::size_t /*l: every worker group has grad_workers() members*/, const impl::Buffer& b,
+                     index_t rows) {
+      const int parts = assignment_.grad_workers();
+      const std::size_t row_bytes = rows > 0 ? b.bytes() / std::size_t(rows) : 0;
+      std::vector<std::size_t> bytes;
+      for (int k = 0; k < parts; ++k) {
+        const auto r = impl::row_block(rows, k, parts);
+        bytes.push_back(std::size_t(r.second - r.first) * row_bytes);
+      }
+      impl::on_host<Exec>(comm_, b.data, b.bytes(), [&](void* p) { comm_.all_gather(p, bytes, worker_); });
+    }
 
    private:
     template <class T, class S = T>

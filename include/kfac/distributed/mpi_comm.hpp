@@ -178,6 +178,36 @@ class MpiComm {
   void broadcast(void* data, std::size_t bytes, int root) const {
     bcast(data, bytes, root, state_->comm);
   }
+  /// \brief In place, within `group`: member k (in group rank order) holds `bytes[k]` bytes
+  /// at offset bytes[0] + ... + bytes[k - 1] of `data`, and every member ends with all of them
+  /// (one MPI_Allgatherv; one broadcast per member, in pieces, when the whole exceeds
+  /// max_message_bytes). bytes_sent() counts this rank's own part.
+  void all_gather(void* data, const std::vector<std::size_t>& bytes, const Group& group) const {
+    int gsize = 1, grank = 0;
+    MPI_Comm_size(group.comm(), &gsize);
+    if (gsize == 1) return;
+    if (bytes.size() != std::size_t(gsize))
+      throw Error("", "MpiComm::all_gather: expected " + std::to_string(gsize) + " counts, one per group member, got " +
+                          std::to_string(bytes.size()));
+    MPI_Comm_rank(group.comm(), &grank);
+    std::size_t total = 0;
+    for (std::size_t b : bytes) total += b;
+    auto* p = static_cast<char*>(data);
+    if (total > state_->max_message) {
+      std::size_t off = 0;
+      for (int k = 0; k < gsize; off += bytes[std::size_t(k)], ++k) bcast(p + off, bytes[std::size_t(k)], k, group.comm());
+      return;
+    }
+    std::vector<int> counts(std::size_t(gsize)), offsets(std::size_t(gsize));
+    for (std::size_t k = 0, off = 0; k < bytes.size(); off += bytes[k], ++k) {
+      counts[k] = int(bytes[k]);
+      offsets[k] = int(off);
+    }
+    state_->bytes += bytes[std::size_t(grank)];
+    ++state_->messages;
+    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, counts.data(), offsets.data(), MPI_BYTE, group.comm()),
+          "MPI_Allgatherv");
+  }
 
  private:
   struct State {

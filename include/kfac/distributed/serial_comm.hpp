@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "kfac/distributed/comm_precision.hpp"
 
@@ -32,6 +33,8 @@ class SerialComm {
   Group split(int) const { return {}; }
   void broadcast(void*, std::size_t, int, const Group&) const {}
   void broadcast(void*, std::size_t, int) const {}
+  /// Every member's part is already in place.
+  void all_gather(void*, const std::vector<std::size_t>&, const Group&) const {}
 };
 
 }  // namespace kfac

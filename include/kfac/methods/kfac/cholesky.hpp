@@ -12,6 +12,7 @@
 /// computed (every inv_update_steps).
 
 #include <cmath>
+#include <utility>
 
 #include "kfac/impl/blas.hpp"
 #include "kfac/core/block.hpp"
@@ -47,6 +48,32 @@ void apply_explicit_inverses(const Exec& exec, const Matrix<T, Exec>& inv_a,
   gemm(exec, "N", "N", T(1), inv_g, x, T(0), work);
   gemm(exec, "N", "N", T(1), work, inv_a, T(0), out);
 }
+
+/// \brief Columns [c0, c1) of out = inv_g x inv_a (split preconditioning: in the block's
+/// transposed storage they are rows of V), from columns c0..c1 of inv_a alone:
+/// work(:, c) = x inv_a(:, c), then out(:, c) = inv_g work(:, c), 1/p of both GEMMs' flops.
+template <class T, class Exec>
+void apply_explicit_inverse_columns(const Exec& exec, const Matrix<T, Exec>& inv_a,
+                                    const Matrix<T, Exec>& inv_g, const Matrix<T, Exec>& x,
+                                    const Matrix<T, Exec>& work, const Matrix<T, Exec>& out, index_t c0,
+                                    index_t c1) {
+  if (c1 <= c0) return;
+  const auto cols = std::make_pair(c0, c1);
+  const auto w = Kokkos::subview(work, Kokkos::ALL, cols);
+  gemm(exec, "N", "N", T(1), x, Kokkos::subview(inv_a, Kokkos::ALL, cols), T(0), w);
+  gemm(exec, "N", "N", T(1), inv_g, w, T(0), Kokkos::subview(out, Kokkos::ALL, cols));
+}
+
+/// The split-preconditioning pass of the explicit-inverse policies: one pass, one all-gather.
+struct ExplicitInverseRows {
+  static constexpr int split_passes = 1;
+  template <class Fact, class T, class Exec>
+  static void apply_rows(const Exec& exec, const Fact& a, const Fact& g, const Matrix<T, Exec>& x, double,
+                         const Matrix<T, Exec>&, const Matrix<T, Exec>& work, const Matrix<T, Exec>& out, int,
+                         index_t c0, index_t c1) {
+    apply_explicit_inverse_columns(exec, a.inv, g.inv, x, work, out, c0, c1);
+  }
+};
 }  // namespace impl
 
 /// \tparam Backend AutoBackend (LAPACK potrf/potri on the host, cuSOLVER potrf/potri on CUDA)
@@ -56,7 +83,7 @@ void apply_explicit_inverses(const Exec& exec, const Matrix<T, Exec>& inv_a,
 /// |---|---|---|---|
 /// | bool | pi_damping | \f$\pi\f$ from the factors' traces (on) or \f$\pi = 1\f$ (off, kfac 0.1) | true |
 template <class Backend = AutoBackend>
-struct Cholesky : impl::PiDamping<Cholesky<Backend>> {
+struct Cholesky : impl::PiDamping<Cholesky<Backend>>, impl::ExplicitInverseRows {
   static constexpr const char* name = "cholesky";
   static constexpr bool damping_at_apply = false;
   /// compute() on the LAPACK path launches only range kernels and copies: it may run on a

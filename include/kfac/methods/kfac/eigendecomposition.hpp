@@ -10,6 +10,8 @@
 /// preconditioning time, so it may change between decompositions, unless the reciprocal
 /// \f$1/(\lambda_G \lambda_A^T + \gamma)\f$ is precomputed (Options::precompute_reciprocal).
 
+#include <utility>
+
 #include "kfac/impl/blas.hpp"
 #include "kfac/core/block.hpp"
 
@@ -100,18 +102,58 @@ struct Eigendecomposition {
                     const impl::Matrix<T, Exec>& work, const impl::Matrix<T, Exec>& out) {
     impl::gemm(exec, "T", "N", T(1), g.q, x, T(0), work);    // Q_G^T X
     impl::gemm(exec, "N", "N", T(1), work, a.q, T(0), out);  // (Q_G^T X) Q_A
+    scale_columns(exec, a, g, damping, r, out, 0, int(out.extent(1)));
+    impl::gemm(exec, "N", "N", T(1), g.q, out, T(0), work);  // Q_G (...)
+    impl::gemm(exec, "N", "T", T(1), work, a.q, T(0), out);  // (...) Q_A^T
+  }
+
+  /// Split preconditioning: pass 0 computes columns [c0, c1) of the middle matrix
+  /// \f$W = (Q_G^T X Q_A) \oslash (\lambda_G \lambda_A^T + \gamma)\f$ from columns c0..c1 of
+  /// \f$Q_A\f$; once every holder's columns of W are gathered into `out`, pass 1 computes
+  /// columns [c0, c1) of \f$Q_G W Q_A^T\f$ from rows c0..c1 of \f$Q_A\f$. Each pass does
+  /// (c1 - c0) / a of the whole apply's flops.
+  static constexpr int split_passes = 2;
+  template <class T, class Exec>
+  static void apply_rows(const Exec& exec, const Factorization<T, Exec>& a, const Factorization<T, Exec>& g,
+                         const impl::Matrix<T, Exec>& x, double damping, const impl::Matrix<T, Exec>& r,
+                         const impl::Matrix<T, Exec>& work, const impl::Matrix<T, Exec>& out, int pass,
+                         index_t c0, index_t c1) {
+    if (c1 <= c0) return;
+    const auto cols = std::make_pair(c0, c1);
+    const auto w = Kokkos::subview(work, Kokkos::ALL, cols);
+    const auto o = Kokkos::subview(out, Kokkos::ALL, cols);
+    if (pass == 0) {
+      impl::gemm(exec, "N", "N", T(1), x, Kokkos::subview(a.q, Kokkos::ALL, cols), T(0), w);  // X Q_A(:, c)
+      impl::gemm(exec, "T", "N", T(1), g.q, w, T(0), o);                                     // Q_G^T (...)
+      scale_columns(exec, a, g, damping, r, out, c0, c1);
+    } else {
+      // Rows c of Q_A, copied into a column-major block: BLAS cannot read a row block in place.
+      const int n = int(a.q.extent(1));
+      impl::Matrix<T, Exec> rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::rows"), c1 - c0, n);
+      auto q = a.q;
+      Kokkos::parallel_for(
+          "kfac::eigen::copy_rows", impl::ColumnMajorRange<Exec>(exec, {0, 0}, {c1 - c0, n}),
+          KOKKOS_LAMBDA(int i, int j) { rows(i, j) = q(c0 + i, j); });
+      impl::gemm(exec, "N", "T", T(1), out, rows, T(0), w);  // W Q_A(c, :)^T, W gathered in out
+      impl::gemm(exec, "N", "N", T(1), g.q, w, T(0), o);     // Q_G (...)
+    }
+  }
+
+  /// Columns [c0, c1) of out divided by \f$\lambda_G \lambda_A^T + \gamma\f$ (or times the
+  /// precomputed reciprocal `r`, when it has out's shape).
+  template <class T, class Exec>
+  static void scale_columns(const Exec& exec, const Factorization<T, Exec>& a, const Factorization<T, Exec>& g,
+                            double damping, const impl::Matrix<T, Exec>& r, const impl::Matrix<T, Exec>& out,
+                            int c0, int c1) {
     auto la = a.lambda;
     auto lg = g.lambda;
     const T d = T(damping);
     const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
     Kokkos::parallel_for(
-        "kfac::eigen::scale",
-        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {int(out.extent(0)), int(out.extent(1))}),
+        "kfac::eigen::scale", impl::ColumnMajorRange<Exec>(exec, {0, c0}, {int(out.extent(0)), c1}),
         KOKKOS_LAMBDA(int i, int j) {
           out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d);
         });
-    impl::gemm(exec, "N", "N", T(1), g.q, out, T(0), work);  // Q_G (...)
-    impl::gemm(exec, "N", "T", T(1), work, a.q, T(0), out);  // (...) Q_A^T
   }
 };
 

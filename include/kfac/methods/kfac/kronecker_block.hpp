@@ -84,6 +84,11 @@ template <class P, class = void>
 struct has_pi_damping : std::false_type {};
 template <class P>
 struct has_pi_damping<P, std::void_t<decltype(std::declval<const P&>().pi_damping)>> : std::true_type {};
+/// Passes of an inversion policy's divided apply (split preconditioning), 0 when it has none.
+template <class P, class = void>
+struct split_passes_of : std::integral_constant<int, 0> {};
+template <class P>
+struct split_passes_of<P, std::void_t<decltype(P::split_passes)>> : std::integral_constant<int, P::split_passes> {};
 template <class P, class = void>
 struct host_thread_safe : std::false_type {};
 template <class P>
@@ -337,9 +342,22 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
           impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
           KOKKOS_LAMBDA(int j, int i) { out(j, i) = x(j, i) / (D(g(i, 0)) * D(a(j, 0)) + d); });
     } else {
-      // Only gradient workers apply, so only they hold the intermediate product.
-      if (work_.extent(0) == 0) work_ = DMatrix("kfac::layer::work", na_, ng_);
+      ensure_work();
       InversePolicy::apply(exec, *fg_, *fa_, x_, damping, reciprocal_, work_, out_);
+    }
+  }
+  int split_passes() const override {
+    if constexpr (diagonal) return 0;  // element-wise: nothing worth dividing
+    else return impl::split_passes_of<InversePolicy>::value;
+  }
+  index_t split_rows() const override { return ng_; }
+  /// Columns [r0, r1) of the transposed output out_ (a x g): rows r0..r1 of V.
+  void apply_rows(const Exec& exec, double damping, int pass, index_t r0, index_t r1) override {
+    if constexpr (impl::split_passes_of<InversePolicy>::value > 0 && !diagonal) {
+      ensure_work();
+      InversePolicy::apply_rows(exec, *fg_, *fa_, x_, damping, reciprocal_, work_, out_, pass, r0, r1);
+    } else {
+      (void)exec; (void)damping; (void)pass; (void)r0; (void)r1;
     }
   }
   double inner_product(const Exec& exec) const override {
@@ -421,6 +439,10 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
       a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
       g_ = FMatrix("kfac::layer::G", ng_, diagonal ? 1 : ng_);
     }
+  }
+  /// Only gradient workers apply, so only they hold the intermediate product.
+  void ensure_work() {
+    if (work_.extent(0) == 0) work_ = DMatrix("kfac::layer::work", na_, ng_);
   }
   // The gradient buffers x_, work_, out_ (and reciprocal_) hold transposes, (a_dim x g_dim)
   // column-major: the memory order of the caller's row-major (g_dim x a_dim) gradient, so that

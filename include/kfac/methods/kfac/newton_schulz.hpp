@@ -19,7 +19,7 @@ namespace kfac {
 /// | int | max_iterations | iterations before the inverse counts as failed (then retried with more damping) | 100 |
 /// | double | tolerance | stop when \f$\|I - M X_k\|_F < \mathrm{tolerance} \sqrt{n}\f$; 0 = 1e-14 (double), 1e-6 (float) | 0 |
 /// | bool | pi_damping | \f$\pi\f$ from the factors' traces (on) or \f$\pi = 1\f$ (off, kfac 0.1) | true |
-struct NewtonSchulz : impl::PiDamping<NewtonSchulz> {
+struct NewtonSchulz : impl::PiDamping<NewtonSchulz>, impl::ExplicitInverseRows {
   static constexpr const char* name = "newton_schulz";
   static constexpr bool damping_at_apply = false;
   using backend_type = PortableBackend;
