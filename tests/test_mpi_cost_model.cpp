@@ -1,6 +1,6 @@
 // kfac::CostModel's exact predictions against a distributed run at this world size: bytes per
 // phase as MpiComm::bytes_sent() counts them, memory_report() and the assignment, on every rank,
-// for COMM-OPT, HYBRID and MEM-OPT.
+// for COMM-OPT, HYBRID and MEM-OPT, with and without split preconditioning.
 #include <mpi.h>
 
 #include <catch2/catch.hpp>
@@ -16,10 +16,12 @@ namespace {
 int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
 int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
 
-void check(const kfac::Options& opts) {
+/// `max_message`: MpiComm's largest message (0: its default).
+void check(const kfac::Options& opts, std::size_t max_message = 0) {
   const int rank = world_rank(), size = world_size();
   using Pre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
   kfac::MpiComm comm(MPI_COMM_WORLD);
+  if (max_message > 0) comm.with_max_message_bytes(max_message);
   Pre pre(opts, Host(), comm);
   register_cost_model_net(pre);
   const auto p = kfac::CostModel(cost_model_net_shapes()).predict(size, opts);
@@ -82,7 +84,13 @@ TEST_CASE("cost model bytes, memory and assignment equal a distributed run", "[m
   SECTION("float32 payloads, skipped layers") {
     check(options(1.0 / size).with_comm_precision(kfac::CommPrecision::float32).with_skip_layers({"fc2", "batch_norm"}));
   }
+  SECTION("split preconditioning: COMM-OPT, MEM-OPT, COMM-OPT with reduce-to-owner and 16-byte messages") {
+    check(options(1.0).with_split_preconditioning(true));
+    check(options(1.0 / size).with_split_preconditioning(true));
+    check(options(1.0).with_split_preconditioning(true).with_reduce_to_owner(true), 16);
+  }
   if (size % 2 == 0 && size > 2) {
+    SECTION("HYBRID 0.5, split preconditioning") { check(options(0.5).with_split_preconditioning(true)); }
     SECTION("HYBRID 0.5") { check(options(0.5)); }
     SECTION("HYBRID 0.5, reduce-to-owner") { check(options(0.5).with_reduce_to_owner(true)); }
     SECTION("HYBRID 0.5, worker groups of consecutive ranks") {

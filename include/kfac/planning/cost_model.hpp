@@ -96,6 +96,7 @@ struct LayerShape {
   std::size_t factor_scalar = 8;         ///< sizeof(Precision::factor_type)
   std::size_t decomposition_scalar = 8;  ///< sizeof(Precision::decomposition_type)
   bool units_coupled = false;  ///< decomposing one unit reads the others (pi-damping)
+  int split_passes = 0;        ///< passes of a divided apply (Block::split_passes; 0: not divisible)
 
   /// What the layer's block says of itself (read from the block the Preconditioner would
   /// build, so the model restates no formula): values per averaged buffer, values per buffer
@@ -156,6 +157,7 @@ struct LayerShape {
   void describe_block(Block& b) {
     for (const auto& f : b.averaged_state()) payload_counts.push_back(f.payload_count());
     units_coupled = b.units_coupled();
+    split_passes = b.split_passes();
     for (int u = 0; u < b.units(); ++u) {
       unit_costs.push_back(b.unit_cost(u));
       unit_counts.emplace_back();
@@ -225,6 +227,12 @@ struct MachineFigures {
     const double hops = std::ceil(std::log2(double(ranks)));
     return hops * latency + std::min(hops, 2.0) * double(bytes) / bandwidth;
   }
+  /// Seconds of one all-gather of `bytes` in all among `ranks` ranks: every rank receives the
+  /// others' parts.
+  double all_gather_seconds(std::size_t bytes, int ranks) const {
+    if (ranks <= 1) return 0.0;
+    return std::ceil(std::log2(double(ranks))) * latency + double(ranks - 1) / ranks * double(bytes) / bandwidth;
+  }
   /// Seconds of one allreduce (a reduce and a broadcast) of `bytes` among `ranks` ranks.
   double allreduce_seconds(std::size_t bytes, int ranks) const { return 2 * collective_seconds(bytes, ranks); }
 };
@@ -240,7 +248,8 @@ struct RankCost {
   /// Compute time of the GEMMs this rank runs to precondition its layers, per step.
   double preconditioning_seconds = 0;
   /// Bytes as MpiComm::bytes_sent() counts them: per factor update, per decomposition step,
-  /// and per step for preconditioned gradients (only when f < 1).
+  /// and per step for preconditioned gradients (only when f < 1) and, under
+  /// split_preconditioning, this rank's rows in the all-gathers of each pass.
   std::size_t factor_bytes_sent = 0;
   std::size_t decomposition_bytes_sent = 0;
   std::size_t gradient_bytes_sent = 0;
@@ -318,7 +327,7 @@ struct CostPrediction {
 /// The layer list must be in registration order (placement ties and the layer-by-layer
 /// schedule depend on it). Options supply the distribution settings exactly as the
 /// Preconditioner reads them: grad_worker_fraction, assignment_cost, colocate_factors,
-/// bucket_bytes, reduce_to_owner, comm_precision, precompute_reciprocal, skip_layers, and the intervals at step 0.
+/// bucket_bytes, reduce_to_owner, split_preconditioning, comm_precision, precompute_reciprocal, skip_layers, and the intervals at step 0.
 class CostModel {
  public:
   explicit CostModel(std::vector<LayerShape> layers, MachineFigures machine = MachineFigures{})
@@ -405,16 +414,40 @@ class CostModel {
     p.decomposition_phase_seconds = *std::max_element(clock.begin(), clock.end());
 
     // Preconditioning phase, replaying Preconditioner::precondition: every rank preconditions
-    // all of its layers, then the receiver broadcasts follow in layer order.
+    // all of its layers (with split_preconditioning its rows of them, pass by pass, each pass
+    // followed by the all-gathers in layer order), then the receiver broadcasts follow in
+    // layer order.
     std::fill(clock.begin(), clock.end(), 0.0);
-    for (std::size_t l = 0; l < n; ++l) {
-      const LayerShape& s = layers_[l];
-      if (skip[l] || s.decomposed_factors() == 0) continue;  // local layers: element-wise only
-      const double t = machine_.preconditioning_seconds(s);
-      for (int j = 0; j < gw; ++j) {
-        const std::size_t r = std::size_t(a.rank_of(a.worker_group(l), j));
-        p.ranks[r].preconditioning_seconds += t;
-        clock[r] += t;
+    std::vector<int> passes(n, 0);  // of the divided applies (0: whole)
+    for (std::size_t l = 0; l < n; ++l)
+      if (!skip[l] && options.split_preconditioning && world > 1 && gw > 1 && layers_[l].decomposed_factors() > 0)
+        passes[l] = layers_[l].split_passes;
+    const int most = passes.empty() ? 1 : std::max(1, *std::max_element(passes.begin(), passes.end()));
+    for (int pass = 0; pass < most; ++pass) {
+      for (std::size_t l = 0; l < n; ++l) {
+        const LayerShape& s = layers_[l];
+        if (skip[l] || s.decomposed_factors() == 0) continue;  // local layers: element-wise only
+        if (passes[l] == 0 ? pass > 0 : pass >= passes[l]) continue;
+        const double t = machine_.preconditioning_seconds(s) / double(std::max(1, passes[l]));
+        for (int j = 0; j < gw; ++j) {
+          const std::size_t r = std::size_t(a.rank_of(a.worker_group(l), j));
+          const auto rows = impl::row_block(s.g_dim, j, gw);
+          const double mine = passes[l] == 0 ? t : t * double(rows.second - rows.first) / double(s.g_dim);
+          p.ranks[r].preconditioning_seconds += mine;
+          clock[r] += mine;
+        }
+      }
+      for (std::size_t l = 0; l < n; ++l) {
+        if (pass >= passes[l]) continue;
+        const LayerShape& s = layers_[l];
+        const std::size_t row_bytes = std::size_t(s.a_dim) * s.decomposition_scalar;
+        std::vector<int> group;
+        for (int j = 0; j < gw; ++j) {
+          group.push_back(a.rank_of(a.worker_group(l), j));
+          const auto rows = impl::row_block(s.g_dim, j, gw);
+          p.ranks[std::size_t(group.back())].gradient_bytes_sent += std::size_t(rows.second - rows.first) * row_bytes;
+        }
+        collective(clock, group, machine_.all_gather_seconds(std::size_t(s.g_dim) * row_bytes, gw));
       }
     }
     for (std::size_t l = 0; l < n && gw < world; ++l) {
