@@ -198,7 +198,7 @@ class MpiComm {
       for (int k = 0; k < gsize; off += bytes[std::size_t(k)], ++k) bcast(p + off, bytes[std::size_t(k)], k, group.comm());
       return;
     }
-    std::vector<int> counts(std::size_t(gsize)), offsets(std::size_t(gsize));
+    std::vector<int> counts(bytes.size()), offsets(bytes.size());
     for (std::size_t k = 0, off = 0; k < bytes.size(); off += bytes[k], ++k) {
       counts[k] = int(bytes[k]);
       offsets[k] = int(off);
