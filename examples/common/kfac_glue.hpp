@@ -39,6 +39,7 @@ namespace nn {
 /// | long | inv_update_steps | steps between decompositions | 100 |
 /// | string | inverse | "eigen" (kfac::Eigendecomposition) or "cholesky" (damped inverses) | eigen |
 /// | bool | pi_damping | Cholesky's π-damping (kfac::Cholesky::with_pi_damping); off: π = 1, the form the sweeps tuned | false |
+/// | long | decomposition_delay | kfac::Options::decomposition_delay: decompositions used d steps after they fall due, computed meanwhile | 0 |
 ///
 /// These are the CNN's settings; nn::default_kfac(model) gives each model's (docs/fashion_mnist.md
 /// has the sweeps behind them). Damping 1e-3 let momentum SGD diverge on the MLP. Updating
@@ -54,6 +55,7 @@ struct KfacSettings {
   long inv_update_steps = 100;
   std::string inverse = "eigen";
   bool pi_damping = false;
+  long decomposition_delay = 0;
   /// KAISA's gradient-worker fraction under MPI (kfac::Options::with_grad_worker_fraction):
   /// 1 = COMM-OPT (every rank preconditions every layer), 1/world = MEM-OPT; 0 picks it from
   /// `strategy` and the world size.
@@ -85,6 +87,7 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_factor_update_steps(s.factor_update_steps)
       .with_inv_update_steps(s.inv_update_steps)
       .with_reduce_to_owner(s.reduce_to_owner)
+      .with_decomposition_delay(s.decomposition_delay)
       .with_loss_reduction(kfac::LossReduction::mean);
 }
 

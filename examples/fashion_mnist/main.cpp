@@ -72,6 +72,8 @@ void usage() {
       "                                  gradient-worker fraction 1, 1/2 or 1/P (default comm-opt)\n"
       "  --grad-worker-fraction F        the fraction itself, in [1/P, 1] (overrides --strategy)\n"
       "  --reduce-to-owner 0|1           under mpiexec: sum each K-FAC factor only to the rank that inverts it (default 0)\n"
+      "  --decomposition-delay D         K-FAC decompositions used D steps after they fall due, computed meanwhile\n"
+      "                                  (on a second thread on the Serial backend); 0 = at once (default 0)\n"
       "  --ngsgd-period N --ngsgd-alpha X --ngsgd-rank R   NG-SGD settings (default 4, 4, 20; Kaldi's ranks:\n"
       "                                  --ngsgd-rank -1 = min(20|80, (d+1)/2))\n"
       "  --average-every N               under mpiexec: each rank trains on its own shard, parameters averaged\n"
@@ -169,6 +171,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--strategy") a.train.kfac.strategy = value;
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
     else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
+    else if (key == "--decomposition-delay") num(a.train.kfac.decomposition_delay);
     else if (key == "--seed" || key == "--seeds") {
       a.seeds.clear();
       for (double v : to_numbers(key, value)) {
@@ -237,6 +240,7 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
     }
     if (s.kfac.reduce_to_owner) n += "+own";
   }
+  if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
   return n;
 }
 
