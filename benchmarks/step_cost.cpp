@@ -14,10 +14,13 @@
 /// Usage: bench_step_cost [--model mlp|cnn|peer-mlp|peer-cnn] [--batch 256] [--steps 200]
 ///                        [--warmup 20] [--optimizers sgd,ngsgd,kfac,adam] [--threads 1]
 ///                        [--data DIR] [--ngsgd-rank R] [--ngsgd-period N] [--factor-every N]
-///                        [--inv-every N] [--kfac-configs eigen/1,cholesky/10,...]
+///                        [--inv-every N] [--kfac-configs eigen/1,cholesky/10/d1,eigen/1/r0.05,...]
 ///                        [--lr X] [--damping X] [--kl-clip X] [--decay X] [--clock wall|cpu]
 /// `--kfac-configs` replaces the one K-FAC trainer by one per item `inverse/interval` (inverse
-/// eigen or cholesky, a decomposition every `interval` steps) and prints the phase table:
+/// eigen or cholesky, a decomposition every `interval` steps; `/dN`: Options::decomposition_delay
+/// N, the decompositions computed on a second host thread where the backend allows it: time
+/// those with the wall clock, which the thread CPU clock does not see; `/rT`, eigen only:
+/// Eigendecomposition::with_refresh_tolerance T) and prints the phase table:
 /// observe (the observe_* and set_gradient calls), factor update, decomposition, precondition,
 /// KL clip (with the write-back), the rest of step() (checks), the K-FAC overhead (all of it)
 /// and forward + backward (the step without the overhead), each as median and amortized mean
@@ -55,7 +58,13 @@ struct Args {
   long ngsgd_rank = -1, ngsgd_period = 4;
   int factor_every = 0, inv_every = 0;
   /// K-FAC configurations (inverse, decomposition interval); empty: one, from the settings above.
-  std::vector<std::pair<std::string, int>> kfac_configs;
+  struct KfacConfig {
+    std::string inverse;
+    int every = 0;
+    long delay = 0;
+    double refresh = 0;
+  };
+  std::vector<KfacConfig> kfac_configs;
   double lr = 0, damping = 0, kl_clip = -1, decay = -1;  // 0 / -1: the demo's
   bool cpu_clock = false;
 };
@@ -88,9 +97,16 @@ Args parse(int argc, char** argv) {
     else if (key == "--kfac-configs") {
       for (const std::string& item : bench::split(v)) {
         const auto parts = bench::split(item, '/');
-        if (parts.size() != 2 || (parts[0] != "eigen" && parts[0] != "cholesky") || std::atoi(parts[1].c_str()) < 1)
-          usage(("--kfac-configs: expected eigen/N or cholesky/N, got " + item).c_str());
-        a.kfac_configs.emplace_back(parts[0], std::atoi(parts[1].c_str()));
+        Args::KfacConfig c{parts[0], parts.size() > 1 ? std::atoi(parts[1].c_str()) : 0};
+        bool ok = parts.size() >= 2 && (c.inverse == "eigen" || c.inverse == "cholesky") && c.every >= 1;
+        for (std::size_t k = 2; ok && k < parts.size(); ++k) {
+          const std::string& p = parts[k];
+          if (p.size() > 1 && p[0] == 'd') ok = (c.delay = std::atol(p.c_str() + 1)) >= 1;
+          else if (p.size() > 1 && p[0] == 'r') ok = c.inverse == "eigen" && (c.refresh = std::atof(p.c_str() + 1)) > 0 && c.refresh < 1;
+          else ok = false;
+        }
+        if (!ok) usage(("--kfac-configs: expected eigen/N or cholesky/N, then /dD and (eigen) /rT, got " + item).c_str());
+        a.kfac_configs.push_back(c);
       }
     }
     else if (key == "--clock") {
@@ -177,7 +193,7 @@ int run(const Args& a) {
 
   std::vector<std::unique_ptr<nn::Trainer>> trainers;
   std::vector<Series> series;
-  auto add = [&](nn::OptimizerKind k, const std::string& inverse, int inv_every) {
+  auto add = [&](nn::OptimizerKind k, const std::string& inverse, int inv_every, long delay, double refresh) {
     nn::TrainSettings s;
     s.model = a.model;
     s.optimizer = k;
@@ -188,6 +204,8 @@ int run(const Args& a) {
     if (a.inv_every > 0) s.kfac.inv_update_steps = a.inv_every;
     if (inv_every > 0) s.kfac.inv_update_steps = inv_every;
     if (!inverse.empty()) s.kfac.inverse = inverse;
+    s.kfac.decomposition_delay = delay;
+    s.kfac.eigen_refresh = refresh;
     if (a.damping > 0) s.kfac.damping = a.damping;
     if (a.kl_clip >= 0) s.kfac.kl_clip = a.kl_clip;
     if (a.decay >= 0) s.kfac.factor_decay = a.decay;
@@ -197,12 +215,18 @@ int run(const Args& a) {
     Series r;
     r.kfac = k == nn::OptimizerKind::kfac;
     r.label = r.kfac ? s.kfac.inverse + "/" + std::to_string(s.kfac.inv_update_steps) : nn::to_string(k);
+    if (r.kfac && delay > 0) r.label += "/d" + std::to_string(delay);
+    if (r.kfac && refresh > 0) {
+      char t[32];
+      std::snprintf(t, sizeof t, "/r%g", refresh);
+      r.label += t;
+    }
     series.push_back(std::move(r));
   };
   for (nn::OptimizerKind k : a.optimizers) {
-    if (k != nn::OptimizerKind::kfac || a.kfac_configs.empty()) add(k, "", 0);
+    if (k != nn::OptimizerKind::kfac || a.kfac_configs.empty()) add(k, "", 0, 0, 0);
     else
-      for (const auto& [inverse, every] : a.kfac_configs) add(k, inverse, every);
+      for (const auto& c : a.kfac_configs) add(k, c.inverse, c.every, c.delay, c.refresh);
   }
 
   RegionClock& clock = RegionClock::get();

@@ -2,14 +2,12 @@
 #include <catch2/catch.hpp>
 #include <kfac/kfac.hpp>
 
-#include "reference.hpp"
+#include "helpers.hpp"
 
 using namespace kfac_test;
 
 namespace {
 
-template <class Scalar>
-using V2 = Kokkos::View<Scalar**, Kokkos::LayoutRight, Kokkos::HostSpace>;
 
 /// The damping form of the reference: \f$(G \otimes A + \gamma I)^{-1}\f$, or factored,
 /// \f$(G + \sqrt{\gamma}/\pi)^{-1} X (A + \pi\sqrt{\gamma})^{-1}\f$ with \f$\pi = 1\f$ or
@@ -149,4 +147,61 @@ TEST_CASE("symmetric factors expose their packed upper triangle", "[factor][symm
   std::size_t k = 0;
   for (int j = 0; j < 5; ++j)
     for (int i = 0; i <= j; ++i, ++k) CHECK(packed(k) == Approx(a(i, j)).epsilon(1e-14));
+}
+
+TEST_CASE("eigenvalue refreshes stay within their tolerance of the factor, else decompose exactly", "[inverse][eigen][refresh]") {
+  using Layer = KLayer<kfac::Dense>;
+  auto make = [](double tau) {
+    auto pre = std::make_unique<Pre>(plain_options(1e-2).with_factor_decay(0.9).with_inv_update_steps(1));
+    pre->register_layer("fc", kfac::Dense(6, 4),
+                        kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>>(kfac::Eigendecomposition<>{}.with_refresh_tolerance(tau)));
+    return pre;
+  };
+  // The preconditioner a decomposition defines: Q diag(lambda) Q^T for each factor.
+  auto reconstruct = [](const auto& f) {
+    const MatrixXd q = to_eigen(f.q);
+    Eigen::VectorXd l(q.cols());
+    for (int i = 0; i < l.size(); ++i) l(i) = f.lambda(i);
+    return MatrixXd(q * l.asDiagonal() * q.transpose());
+  };
+  for (double tau : {0.05, 0.3}) {
+    auto pre = make(tau);
+    double worst_bound = 0, worst_solve = 0;
+    for (int t = 0; t < 80; ++t) {
+      Rng rng(500 + t);
+      DenseBatch batch(6, 4, true, 8, rng);
+      const MatrixXd x = batch.gradient();
+      batch.feed(*pre, "fc");
+      pre->step();
+      const auto& layer = pre->layer_as<Layer>("fc");
+      const MatrixXd a = symmetric_from_upper(layer.factor_a()), g = symmetric_from_upper(layer.factor_g());
+      const MatrixXd ra = reconstruct(*layer.decomposition_a()), rg = reconstruct(*layer.decomposition_g());
+      worst_bound = std::max({worst_bound, (a - ra).norm() / (tau * a.norm()), (g - rg).norm() / (tau * g.norm())});
+      worst_solve = std::max(worst_solve, rel_err(batch.gradient(), dense_kronecker_solve(ra, rg, x, 1e-2)));
+    }
+    const auto& layer = pre->layer_as<Layer>("fc");
+    INFO("tau " << tau << ": worst ||F - Q diag(l) Q^T|| / (tau ||F||) " << worst_bound << ", A refreshed "
+                << layer.decomposition_a()->refreshed << " of 80, G " << layer.decomposition_g()->refreshed);
+    CHECK(worst_bound <= 1 + 1e-9);  // the stated bound
+    CHECK(worst_solve < 1e-9);       // and it is what preconditions
+    CHECK(layer.decomposition_a()->refreshed > 0);
+    CHECK(layer.decomposition_a()->exact > 1);  // fell back when the basis had drifted
+  }
+  SECTION("a tolerance never met decomposes exactly, bit for bit") {
+    auto pre = make(1e-12);
+    Pre exact(plain_options(1e-2).with_factor_decay(0.9).with_inv_update_steps(1));
+    exact.register_layer("fc", kfac::Dense(6, 4), kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>>{});
+    for (int t = 0; t < 20; ++t) {
+      Rng rng(500 + t);
+      DenseBatch batch(6, 4, true, 8, rng);
+      DenseBatch twin = batch.twin();
+      batch.feed(*pre, "fc");
+      twin.feed(exact, "fc");
+      pre->step();
+      exact.step();
+      CHECK(same_bits(batch.w, twin.w));
+    }
+    CHECK(pre->layer_as<Layer>("fc").decomposition_a()->refreshed == 0);
+    CHECK_THROWS_AS(kfac::Eigendecomposition<>{}.with_refresh_tolerance(1.0), kfac::Error);
+  }
 }

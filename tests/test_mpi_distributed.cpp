@@ -144,18 +144,21 @@ double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
   return std::sqrt(num / den);
 }
 
+/// `delay` > 0: Options::decomposition_delay on both sides, over more steps (swaps at 3, 5, 7
+/// or 4, 6, 8); the single-process result with the same delay is the reference.
 template <class Factor, class Inverse = kfac::Eigendecomposition<>>
-void check_strategy(double fraction, bool to_owner = false, bool colocate = true) {
+void check_strategy(double fraction, bool to_owner = false, bool colocate = true, long delay = 0) {
   const int rank = world_rank(), size = world_size();
-  kfac::Preconditioner<double, Host> single(options(1.0));
+  const int steps = delay > 0 ? 9 : 5;
+  kfac::Preconditioner<double, Host> single(options(1.0).with_decomposition_delay(delay));
   register_all<Factor, Inverse>(single);
-  const auto expect = run(single, 0, 1, 5);
+  const auto expect = run(single, 0, 1, steps);
 
   kfac::Preconditioner<double, Host, kfac::MpiComm> dist(
-      options(fraction).with_reduce_to_owner(to_owner).with_colocate_factors(colocate), Host(),
-      kfac::MpiComm(MPI_COMM_WORLD));
+      options(fraction).with_reduce_to_owner(to_owner).with_colocate_factors(colocate).with_decomposition_delay(delay),
+      Host(), kfac::MpiComm(MPI_COMM_WORLD));
   register_all<Factor, Inverse>(dist);
-  const auto got = run(dist, rank, size, 5);
+  const auto got = run(dist, rank, size, steps);
   REQUIRE(got.size() == expect.size());
   INFO("rank " << rank << " of " << size << ", fraction " << fraction << ", relative difference " << rel_diff(got, expect));
   CHECK(rel_diff(got, expect) < 1e-10);
@@ -193,6 +196,25 @@ void check_split(double fraction, bool to_owner = false, bool reciprocal = false
   CHECK(identical_on_all_ranks(got));
   CHECK((split_comm.bytes_sent() > plain_comm.bytes_sent()) == divided);
   if (!divided) CHECK(split_comm.bytes_sent() == plain_comm.bytes_sent());
+}
+
+/// Runs `total` steps on a preconditioner from `make`, and again on another one saved after
+/// `split` steps and resumed from that checkpoint on a third; returns {uninterrupted, resumed}.
+template <class Make>
+std::pair<std::vector<double>, std::vector<double>> with_restart(const Make& make, int split, int total) {
+  const int rank = world_rank(), size = world_size();
+  auto full = make();
+  const auto expect = run(*full, rank, size, total);
+  auto first = make();
+  auto got = run(*first, rank, size, split);
+  std::ostringstream os(std::ios::binary);
+  first->save(os);
+  auto resumed = make();
+  std::istringstream is(os.str(), std::ios::binary);
+  CHECK(resumed->load(is));
+  const auto more = run(*resumed, rank, size, total - split, split);
+  got.insert(got.end(), more.begin(), more.end());
+  return {expect, got};
 }
 
 }  // namespace
@@ -368,27 +390,50 @@ TEST_CASE("GradientAverager averages bucketed gradients bit-identically", "[mpi]
   CHECK(identical_on_all_ranks(all));
 }
 
-TEST_CASE("distributed checkpoints resume bit-identically; factors restore at any world size", "[mpi][checkpoint]") {
+TEST_CASE("deferred decompositions equal the single-process result with the same delay", "[mpi][distributed][deferred]") {
+  const int size = world_size();
+  SECTION("COMM-OPT, d = 1") { check_strategy<kfac::Symmetric>(1.0, false, true, 1); }
+  SECTION("MEM-OPT, d = 2") { check_strategy<kfac::Symmetric>(1.0 / size, false, true, 2); }
+  SECTION("MEM-OPT, Cholesky, reduce-to-owner, d = 1") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size, true, true, 1); }
+  SECTION("COMM-OPT, full, factors apart, reduce-to-owner, d = 2") { check_strategy<kfac::Full>(1.0, true, false, 2); }
+  SECTION("COMM-OPT, Newton-Schulz, d = 1") { check_strategy<kfac::Symmetric, kfac::NewtonSchulz>(1.0, false, true, 1); }
+  if (size % 2 == 0 && size > 2) {
+    SECTION("HYBRID 0.5, d = 1") { check_strategy<kfac::Symmetric>(0.5, false, true, 1); }
+  }
+  // The delay is visible: d = 1 differs from d = 0 once a deferred decomposition is in use.
+  kfac::Preconditioner<double, Host> now(options(1.0)), later(options(1.0).with_decomposition_delay(1));
+  register_all<kfac::Symmetric>(now);
+  register_all<kfac::Symmetric>(later);
+  CHECK(rel_diff(run(later, 0, 1, 4), run(now, 0, 1, 4)) > 1e-6);
+}
+
+TEST_CASE("a checkpoint with decompositions in flight resumes bit-identically at every rank", "[mpi][checkpoint][deferred]") {
   const int rank = world_rank(), size = world_size();
+  using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
+  for (bool owner : {false, true}) {
+    auto make = [&] {
+      auto p = std::make_unique<DPre>(options(1.0 / size).with_decomposition_delay(2).with_reduce_to_owner(owner), Host(),
+                                      kfac::MpiComm(MPI_COMM_WORLD));
+      register_all<kfac::Symmetric, kfac::Cholesky<>>(*p);
+      return p;
+    };
+    const auto [expect, got] = with_restart(make, 5, 9);  // saved with a decomposition launched at 4, due at 6
+    INFO("reduce-to-owner " << owner << ", rank " << rank);
+    CHECK(got == expect);
+    CHECK(identical_on_all_ranks(got));
+  }
+}
+
+TEST_CASE("distributed checkpoints resume bit-identically; factors restore at any world size", "[mpi][checkpoint]") {
+  const int size = world_size();
   using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
   auto make = [&] {
     auto p = std::make_unique<DPre>(options(1.0 / size), Host(), kfac::MpiComm(MPI_COMM_WORLD));
     register_all<kfac::Symmetric>(*p);
     return p;
   };
-  auto full = make();
-  const auto expect = run(*full, rank, size, 6);
-  auto first = make();
-  const auto head = run(*first, rank, size, 3);  // step 3 is not a decomposition step (every 2: 0, 2, 4)
-  std::ostringstream os(std::ios::binary);
-  first->save(os);
-  auto resumed = make();
-  std::istringstream is(os.str(), std::ios::binary);
-  CHECK(resumed->load(is));
-  auto tail = head;
-  const auto more = run(*resumed, rank, size, 3, 3);
-  tail.insert(tail.end(), more.begin(), more.end());
-  CHECK(tail == expect);  // bit-identical to the uninterrupted run
+  const auto [expect, got] = with_restart(make, 3, 6);  // step 3 is not a decomposition step (every 2: 0, 2, 4)
+  CHECK(got == expect);  // bit-identical to the uninterrupted run
 
   // A single-process checkpoint restores its (global) factors on every rank of any world size;
   // its decompositions are per-rank state and are recomputed (load returns false) when W > 1.

@@ -39,6 +39,8 @@ namespace nn {
 /// | long | inv_update_steps | steps between decompositions | 100 |
 /// | string | inverse | "eigen" (kfac::Eigendecomposition) or "cholesky" (damped inverses) | eigen |
 /// | bool | pi_damping | Cholesky's π-damping (kfac::Cholesky::with_pi_damping); off: π = 1, the form the sweeps tuned | false |
+/// | long | decomposition_delay | kfac::Options::decomposition_delay: decompositions used d steps after they fall due, computed meanwhile | 0 |
+/// | double | eigen_refresh | kfac::Eigendecomposition::with_refresh_tolerance (inverse "eigen"): eigenvalues refreshed in the kept eigenbasis while within this relative distance of the factor | 0 |
 ///
 /// These are the CNN's settings; nn::default_kfac(model) gives each model's (docs/fashion_mnist.md
 /// has the sweeps behind them). Damping 1e-3 let momentum SGD diverge on the MLP. Updating
@@ -54,6 +56,8 @@ struct KfacSettings {
   long inv_update_steps = 100;
   std::string inverse = "eigen";
   bool pi_damping = false;
+  long decomposition_delay = 0;
+  double eigen_refresh = 0;
   /// KAISA's gradient-worker fraction under MPI (kfac::Options::with_grad_worker_fraction):
   /// 1 = COMM-OPT (every rank preconditions every layer), 1/world = MEM-OPT; 0 picks it from
   /// `strategy` and the world size.
@@ -87,6 +91,7 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_inv_update_steps(s.inv_update_steps)
       .with_reduce_to_owner(s.reduce_to_owner)
       .with_split_preconditioning(s.split_preconditioning)
+      .with_decomposition_delay(s.decomposition_delay)
       .with_loss_reduction(kfac::LossReduction::mean);
 }
 
@@ -112,7 +117,7 @@ class KfacSgd {
     if (world.size() > 1 && !mpi_) throw std::runtime_error("data-parallel K-FAC needs kfac built with MPI");
     if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options);
     const bool cholesky = s.inverse == "cholesky";
-    with_preconditioner([&](auto& pre) { register_layers(net, pre, cholesky, s.pi_damping); });
+    with_preconditioner([&](auto& pre) { register_layers(net, pre, cholesky, s.pi_damping, s.eigen_refresh); });
   }
 
   /// \brief After forward and backward (and gradient averaging): hand kfac the observations and
@@ -152,10 +157,13 @@ class KfacSgd {
   }
 
   template <class Pre>
-  static void register_layers(Network& net, Pre& pre, bool cholesky, bool pi_damping) {
+  static void register_layers(Network& net, Pre& pre, bool cholesky, bool pi_damping, double eigen_refresh) {
     auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
       using K = std::decay_t<decltype(kfac_layer)>;
       if (cholesky) pre.register_layer(name, kfac_layer, cholesky_method(pi_damping));
+      else if (eigen_refresh > 0)
+        pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(
+                                                 kfac::Eigendecomposition<>{}.with_refresh_tolerance(eigen_refresh)));
       else pre.template register_layer<K>(name, kfac_layer);
     };
     net.for_each_layer([&](const std::string& name, const auto& layer) {

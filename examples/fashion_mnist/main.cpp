@@ -74,6 +74,10 @@ void usage() {
       "  --reduce-to-owner 0|1           under mpiexec: sum each K-FAC factor only to the rank that inverts it (default 0)\n"
       "  --split-preconditioning 0|1     under mpiexec: divide each layer's preconditioning among its gradient workers\n"
       "                                  by rows, then all-gather them (default 0)\n"
+      "  --decomposition-delay D         K-FAC decompositions used D steps after they fall due, computed meanwhile\n"
+      "                                  (on a second thread on the Serial backend); 0 = at once (default 0)\n"
+      "  --eigen-refresh T               eigen: refresh eigenvalues in the kept eigenbasis while the factor is\n"
+      "                                  within relative distance T of it, else decompose exactly (default 0: always)\n"
       "  --ngsgd-period N --ngsgd-alpha X --ngsgd-rank R   NG-SGD settings (default 4, 4, 20; Kaldi's ranks:\n"
       "                                  --ngsgd-rank -1 = min(20|80, (d+1)/2))\n"
       "  --average-every N               under mpiexec: each rank trains on its own shard, parameters averaged\n"
@@ -172,6 +176,8 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
     else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
     else if (key == "--split-preconditioning") num(a.train.kfac.split_preconditioning);
+    else if (key == "--decomposition-delay") num(a.train.kfac.decomposition_delay);
+    else if (key == "--eigen-refresh") num(a.train.kfac.eigen_refresh);
     else if (key == "--seed" || key == "--seeds") {
       a.seeds.clear();
       for (double v : to_numbers(key, value)) {
@@ -240,6 +246,12 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
     }
     if (s.kfac.reduce_to_owner) n += "+own";
     if (s.kfac.split_preconditioning) n += "+split";
+  }
+  if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
+  if (k == nn::OptimizerKind::kfac && s.kfac.eigen_refresh > 0) {
+    char b[32];
+    std::snprintf(b, sizeof b, "+r%g", s.kfac.eigen_refresh);
+    n += b;
   }
   return n;
 }

@@ -34,7 +34,7 @@ class DeferredDecomposition {
   DeferredDecomposition() = default;
   DeferredDecomposition(const DeferredDecomposition&) = delete;
   DeferredDecomposition& operator=(const DeferredDecomposition&) = delete;
-  ~DeferredDecomposition() { wait(); }
+  ~DeferredDecomposition() { forget(); }
 
   bool in_flight() const { return swap_at_ >= 0; }
   long launched_at() const { return launched_; }
@@ -74,7 +74,8 @@ class DeferredDecomposition {
       }
       exec.fence();
     };
-    work_ = std::async(b->decomposes_off_thread() ? std::launch::async : std::launch::deferred, job);
+    async_ = b->decomposes_off_thread();
+    work_ = std::async(async_ ? std::launch::async : std::launch::deferred, job);
   }
 
   /// Waits for the computation (or runs it, when deferred); afterwards failure(k) is the
@@ -84,9 +85,10 @@ class DeferredDecomposition {
   }
   const std::exception_ptr& failure(std::size_t k) const { return failures_[k]; }
 
-  /// Forgets the in-flight decomposition (its shadow's memory is kept for the next one).
+  /// Forgets the in-flight decomposition (its shadow's memory is kept for the next one); one
+  /// not started (computed when swapped in) is not computed at all.
   void drop() {
-    wait();
+    forget();
     launched_ = swap_at_ = -1;
     units_.clear();
     failures_.clear();
@@ -105,6 +107,13 @@ class DeferredDecomposition {
   long launched_ = -1, swap_at_ = -1;
   double damping_ = 0;
   std::future<void> work_;
+  bool async_ = false;
+
+  /// Waits for a running computation (it cannot be stopped); drops one not started.
+  void forget() {
+    if (async_ && work_.valid()) work_.wait();
+    work_ = std::future<void>();
+  }
 };
 
 }  // namespace impl

@@ -53,6 +53,13 @@ inline void blas_syrk(bool trans, int n, int k, float alpha, const float* r, int
   cblas_ssyrk(CblasColMajor, CblasUpper, trans ? CblasTrans : CblasNoTrans, n, k, alpha, r, ldr,
               beta, c, ldc);
 }
+/// C = op(A) B (n x n, column-major), op(A) = A^T when `trans`.
+inline void blas_square_gemm(bool trans, int n, const double* a, int lda, const double* b, int ldb, double* c, int ldc) {
+  cblas_dgemm(CblasColMajor, trans ? CblasTrans : CblasNoTrans, CblasNoTrans, n, n, n, 1.0, a, lda, b, ldb, 0.0, c, ldc);
+}
+inline void blas_square_gemm(bool trans, int n, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
+  cblas_sgemm(CblasColMajor, trans ? CblasTrans : CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+}
 #endif
 
 template <class Exec, class Backend>
@@ -279,6 +286,56 @@ void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T
   const Matrix<T, Exec>& work = ws.scratch_for(n);
   Kokkos::deep_copy(exec, work, q);
   jacobi_eigh(exec, work, q, w, jacobi_sweeps);
+}
+
+/// \brief Eigenvalues of the upper triangle of `f` in the kept orthonormal basis `q`: with
+/// \f$B = Q^T F Q\f$, sets w = diag(B) (clamped at 0) and returns true when
+/// \f$\|B - \mathrm{diag}(B)\|_F \le \tau \|F\|_F\f$; then \f$Q\,\mathrm{diag}(w)\,Q^T\f$ is within
+/// \f$\tau\|F\|_F\f$ of F in the Frobenius norm (an orthogonal change of basis keeps the norm, and F
+/// is positive semidefinite, so no diagonal entry is clamped). Returns false, leaving w as it was,
+/// otherwise. Two n x n GEMMs and O(n^2) more; `fq`, `b` are n x n scratch, `col` 2n scratch.
+/// Launches only range kernels and, on the LAPACK path, BLAS: it may run on a second host thread.
+template <class Backend, class Exec, class F, class T>
+bool refresh_eigenvalues(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T, Exec>& w,
+                         double tau, const Matrix<T, Exec>& full, const Matrix<T, Exec>& fq,
+                         const Matrix<T, Exec>& b, const Kokkos::View<double*, typename Exec::memory_space>& col) {
+  const int n = int(f.extent(0));
+  symmetric_copy(exec, f, full);
+#if defined(KFAC_HAVE_LAPACK)
+  if constexpr (use_lapack_v<Exec, Backend>) {
+    exec.fence();
+    const int ld = n > 0 ? int(q.stride(1)) : 1;
+    blas_square_gemm(false, n, full.data(), int(full.stride(1)), q.data(), ld, fq.data(), int(fq.stride(1)));
+    blas_square_gemm(true, n, q.data(), ld, fq.data(), int(fq.stride(1)), b.data(), int(b.stride(1)));
+  } else
+#endif
+  {
+    gemm(exec, "N", "N", T(1), full, q, T(0), fq);
+    gemm(exec, "T", "N", T(1), q, fq, T(0), b);
+  }
+  Kokkos::parallel_for(  // per column: off-diagonal and total sums of squares (no reduction kernel)
+      "kfac::eigen::refresh_norms", Kokkos::RangePolicy<Exec>(exec, 0, n), KOKKOS_LAMBDA(int j) {
+        double off = 0, all = 0;
+        for (int i = 0; i < n; ++i) {
+          const double v = double(b(i, j));
+          all += v * v;
+          if (i != j) off += v * v;
+        }
+        col(j) = off;
+        col(n + j) = all;
+      });
+  exec.fence();
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), col);
+  double off = 0, all = 0;
+  for (int j = 0; j < n; ++j) {
+    off += host(j);
+    all += host(n + j);
+  }
+  if (!(off <= tau * tau * all)) return false;
+  Kokkos::parallel_for(
+      "kfac::eigen::refresh_diagonal", Kokkos::RangePolicy<Exec>(exec, 0, n),
+      KOKKOS_LAMBDA(int j) { w(j) = b(j, j) > T(0) ? b(j, j) : T(0); });
+  return true;
 }
 
 /// The same with scratch memory for this call only.

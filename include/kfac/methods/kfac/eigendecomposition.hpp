@@ -22,6 +22,7 @@ namespace kfac {
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | int | jacobi_sweeps | sweep limit of the portable Jacobi eigensolver (PortableBackend, or a backend without a vendor solver) | 60 |
+/// | double | refresh_tolerance | τ > 0: a decomposition first tries the eigenvalues of the factor in the kept eigenbasis (two GEMMs, as EKFAC, George et al. 2018) and keeps them when the factor is within τ of that basis' reconstruction (relative Frobenius norm), else decomposes exactly; 0: always exactly | 0 |
 template <class Backend = AutoBackend>
 struct Eigendecomposition {
   static constexpr const char* name = "eigen";
@@ -32,14 +33,24 @@ struct Eigendecomposition {
   using backend_type = Backend;
 
   int jacobi_sweeps = 60;
+  double refresh_tolerance = 0;
   Eigendecomposition& with_jacobi_sweeps(int n) {
     if (n < 1) throw Error("", "Eigendecomposition: expected jacobi_sweeps >= 1");
     jacobi_sweeps = n;
     return *this;
   }
+  Eigendecomposition& with_refresh_tolerance(double tau) {
+    if (!(tau >= 0 && tau < 1)) throw Error("", "Eigendecomposition: expected 0 <= refresh_tolerance < 1");
+    refresh_tolerance = tau;
+    return *this;
+  }
   /// Settings that differ from the defaults, for the layer's signature ("" at the defaults, so
   /// signatures, and checkpoints, of default-built policies stay those of kfac 0.1).
-  std::string settings() const { return jacobi_sweeps == 60 ? "" : "sweeps=" + std::to_string(jacobi_sweeps); }
+  std::string settings() const {
+    std::string s = jacobi_sweeps == 60 ? "" : "sweeps=" + std::to_string(jacobi_sweeps);
+    if (refresh_tolerance > 0) s += std::string(s.empty() ? "" : ",") + "refresh=" + std::to_string(refresh_tolerance);
+    return s;
+  }
   /// Buffers of one factorization of an n x n factor: Q and lambda.
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n, std::size_t(n)}; }
   /// Relative cost of one decomposition of an n x n factor, and of what it stores.
@@ -51,6 +62,8 @@ struct Eigendecomposition {
     impl::Vector<T, Exec> lambda;
     /// The solver's scratch memory, reused by every decomposition of this factor.
     impl::SolverWorkspace<T, Exec> workspace;
+    /// Decompositions of this factor computed here: exactly, and as refreshes (refresh_tolerance).
+    long exact = 0, refreshed = 0;
 
     explicit Factorization(index_t n = 0)
         : q(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::q"), n, n),
@@ -63,8 +76,22 @@ struct Eigendecomposition {
     template <class F>
     void compute(const Exec& exec, const F& factor, double /*damping*/,
                  const Eigendecomposition& settings, double shift = 0) {
+      const int n = int(factor.extent(0));
+      if (settings.refresh_tolerance > 0 && shift == 0 && exact > 0) {
+        if (refresh_.extent(0) != std::size_t(n)) {
+          refresh_ = impl::Matrix<T, Exec>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::refresh"), n, 2 * n);
+          norms_ = Kokkos::View<double*, typename Exec::memory_space>("kfac::eigen::refresh_norms", 2 * n);
+        }
+        const impl::Matrix<T, Exec> fq = Kokkos::subview(refresh_, Kokkos::ALL, std::make_pair(0, n));
+        const impl::Matrix<T, Exec> b = Kokkos::subview(refresh_, Kokkos::ALL, std::make_pair(n, 2 * n));
+        if (impl::refresh_eigenvalues<Backend>(exec, factor, q, lambda, settings.refresh_tolerance,
+                                               workspace.scratch_for(n), fq, b, norms_)) {
+          ++refreshed;
+          return;
+        }
+      }
+      ++exact;
       if (shift > 0) {
-        const int n = int(factor.extent(0));
         impl::Matrix<T, Exec> shifted(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::shifted"), n, n);
         impl::symmetric_copy(exec, factor, shifted);
         impl::add_diagonal(exec, shifted, T(shift));
@@ -78,6 +105,10 @@ struct Eigendecomposition {
           "kfac::eigen::clamp", Kokkos::RangePolicy<Exec>(exec, 0, int(l.extent(0))),
           KOKKOS_LAMBDA(int i) { const T v = l(i) - s; l(i) = v > T(0) ? v : T(0); });
     }
+
+   private:
+    impl::Matrix<T, Exec> refresh_;  // F Q and Q^T F Q, side by side (refresh_tolerance > 0)
+    Kokkos::View<double*, typename Exec::memory_space> norms_;
   };
 
   /// r = 1 / (lambda_G lambda_A^T + damping), shape (g, a).
