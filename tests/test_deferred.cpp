@@ -124,14 +124,19 @@ TEST_CASE("which decompositions run on a second host thread", "[deferred]") {
 }
 
 TEST_CASE("a checkpoint with a decomposition in flight resumes bit for bit", "[deferred][checkpoint]") {
-  const std::vector<std::string> names = {"eigen", "chol"};
+  const std::vector<std::string> names = {"eigen", "chol", "refresh"};
+  long delay = 2;
   auto make = [&] {
-    auto p = std::make_unique<Pre>(options(3, 2));
+    auto p = std::make_unique<Pre>(options(3, delay));
     p->register_layer("eigen", kfac::Dense(kIn, kOut), kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>>{});
     p->register_layer("chol", kfac::Dense(kIn, kOut), kfac::KFAC<kfac::Full, kfac::Cholesky<>>{});
+    // Refreshes start from the decomposition in use, which the checkpoint holds.
+    p->register_layer("refresh", kfac::Dense(kIn, kOut),
+                      kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>>(kfac::Eigendecomposition<>{}.with_refresh_tolerance(0.3)));
     return p;
   };
-  for (int at : {7, 9}) {  // 7: launched at 6, swapped in at 8; 9: nothing in flight
+  for (int at : {7, 9, -7}) {  // 7: launched at 6, swapped in at 8; 9: nothing in flight; -7: d = 0
+    if (at < 0) delay = 0, at = -at;
     auto a = make();
     for (int t = 0; t < at; ++t) step_once(*a, t, names);
     std::stringstream ckpt;
@@ -140,8 +145,10 @@ TEST_CASE("a checkpoint with a decomposition in flight resumes bit for bit", "[d
     for (int t = at; t < at + 8; ++t) expect.push_back(step_once(*a, t, names));
     auto b = make();
     REQUIRE(b->load(ckpt));
-    INFO("saved after " << at << " steps");
+    INFO("saved after " << at << " steps, d = " << delay);
     for (int t = at; t < at + 8; ++t) CHECK(same(step_once(*b, t, names), expect[std::size_t(t - at)]));
+    // With d = 0 the layer's own counts show that the resumed run refreshed (d > 0: its shadow did).
+    if (delay == 0) CHECK(b->layer_as<KLayer<kfac::Dense>>("refresh").decomposition_a()->refreshed > 0);
   }
 }
 

@@ -339,6 +339,7 @@ bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, boo
     const auto fill = [&](Block<Scalar, Exec>& shadow) {
       auto bufs = shadow.checkpoint_state();
       for (std::size_t k = 0; k < bufs.size(); ++k) from_host_bytes<Exec>(bufs[k], d.state[k]);
+      for (int u : e.decomposed ? d.units : std::vector<int>{}) copy_into(exec, e.block->unit_buffers(u), shadow.unit_buffers(u));
     };
     e.deferred->launch(exec, e.make_block, fill, d.units, d.damping, d.launched, d.swap_at);
   }

@@ -160,7 +160,12 @@ class StepPhases {
     std::vector<int> mine;
     for (int u = 0; dist_.holds(l) && u < e.block->units(); ++u)
       if (dist_.computes(l, u)) mine.push_back(u);
-    const auto fill = [&](Block<Scalar, Exec>& shadow) { copy_into(exec_, e.block->checkpoint_state(), shadow.checkpoint_state()); };
+    // The shadow starts as a copy of the layer: its statistics, and the decompositions in use of
+    // the units it computes (a refresh starts from them, Eigendecomposition::with_refresh_tolerance).
+    const auto fill = [&, units = mine](Block<Scalar, Exec>& shadow) {
+      copy_into(exec_, e.block->checkpoint_state(), shadow.checkpoint_state());
+      for (int u : units) copy_into(exec_, e.block->unit_buffers(u), shadow.unit_buffers(u));
+    };
     e.deferred->launch(exec_, e.make_block, fill, std::move(mine), due_[l].values.damping, step_,
                        step_ + o_.decomposition_delay);
   }

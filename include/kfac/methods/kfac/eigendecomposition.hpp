@@ -70,6 +70,15 @@ struct Eigendecomposition {
           lambda("kfac::eigen::lambda", n) {}
     std::size_t bytes() const { return (q.size() + lambda.size()) * sizeof(T); }
     std::vector<impl::Buffer> buffers() const { return {impl::buffer_of(q), impl::buffer_of(lambda)}; }
+    /// True when q holds an eigenbasis — computed here, received or restored from a checkpoint:
+    /// some eigenvalue is positive (lambda starts at 0). A refresh starts from it, so that a
+    /// resumed run refreshes where the uninterrupted one does.
+    bool has_basis() const {
+      const auto l = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lambda);
+      for (std::size_t i = 0; i < l.extent(0); ++i)
+        if (l(i) > T(0)) return true;
+      return false;
+    }
 
     /// `shift` > 0 (a retry): decomposes factor + shift I and subtracts shift from the
     /// eigenvalues, the same decomposition in exact arithmetic but another problem for the solver.
@@ -77,7 +86,7 @@ struct Eigendecomposition {
     void compute(const Exec& exec, const F& factor, double /*damping*/,
                  const Eigendecomposition& settings, double shift = 0) {
       const int n = int(factor.extent(0));
-      if (settings.refresh_tolerance > 0 && shift == 0 && exact > 0) {
+      if (settings.refresh_tolerance > 0 && shift == 0 && has_basis()) {
         if (refresh_.extent(0) != std::size_t(n)) {
           refresh_ = impl::Matrix<T, Exec>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::refresh"), n, 2 * n);
           norms_ = Kokkos::View<double*, typename Exec::memory_space>("kfac::eigen::refresh_norms", 2 * n);
