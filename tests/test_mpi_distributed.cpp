@@ -537,3 +537,33 @@ TEST_CASE("a decomposition failing on one rank is an error on every rank", "[mpi
   CHECK_THROWS_WITH(pre.step(), Catch::Contains("layer 'ns'") && Catch::Contains("decomposition"));
   CHECK(pre.step_count() == 0);
 }
+
+TEST_CASE("a deferred decomposition failing on the rank that computes it is an error on every rank", "[mpi][errors][deferred]") {
+  // d = 1, a decomposition every step: step 0 decomposes at once (benign data), step 1 launches
+  // one from ill-conditioned factors (cond ~ 1e30: Newton-Schulz fails even after 3 damping
+  // raises), step 2 swaps it in: one rank computed it, every rank must throw the same error.
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
+      kfac::Options{}.with_kl_clip(0.0).with_damping(1e-2).with_inv_update_steps(1).with_decomposition_delay(1), Host(),
+      kfac::MpiComm(MPI_COMM_WORLD));
+  pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::NewtonSchulz>("ns", kfac::Dense(3, 2, false));
+  V2 x("x", 1, 3), g("g", 1, 2), w("w", 2, 3);
+  auto feed = [&](double scale) {
+    Kokkos::deep_copy(x, scale);
+    Kokkos::deep_copy(g, 1.0);
+    Kokkos::deep_copy(w, 1.0);
+    pre.observe_input("ns", x);
+    pre.observe_output_grad("ns", g);
+    pre.set_gradient("ns", w);
+  };
+  feed(1.0);
+  pre.step();
+  feed(1e15);
+  pre.step();  // launched: the decomposition in use is still step 0's
+  feed(1.0);
+  const int size = world_size();
+  INFO("rank " << world_rank() << " of " << size);
+  CHECK_THROWS_WITH(pre.step(), Catch::Contains("layer 'ns'") && Catch::Contains("decomposition") &&
+                                    Catch::Contains(size > 1 ? "every rank restored its state" : "failed after 3"));
+  CHECK(pre.step_count() == 2);
+  CHECK(identical_on_all_ranks({double(pre.step_count()), double(pre.last_decomposition_step())}));
+}
