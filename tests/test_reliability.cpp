@@ -177,28 +177,35 @@ TEST_CASE("NaN/Inf under the raise policy is an error naming the layer", "[nonfi
 }
 
 TEST_CASE("observations that would overflow the factor type are refused", "[nonfinite][errors]") {
+  // (inputs, rows, value): 3 rows of 3e30, whose squares overflow float; and 8 rows of one input
+  // of 1e19, whose squares (1e38) fit but whose sum (8e38) does not, while the trace over the
+  // normalizer (1e38) is below float's largest value: the check reads the folded Gram matrix
+  // itself, so it sees the overflow that a sum of squares in double would not.
   using FPre = kfac::Preconditioner<float, Host>;
-  for (auto policy : {kfac::NonFinitePolicy::raise, kfac::NonFinitePolicy::skip}) {
-    FPre pre(kfac::Options{}.with_kl_clip(0.0).with_nonfinite_policy(policy));
-    pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>>("big", kfac::Dense(4, 2, false));
-    Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> x("x", 3, 4), g("g", 3, 2), w("w", 2, 4);
-    Kokkos::deep_copy(x, 3e30f);  // finite, but its square overflows float
-    Kokkos::deep_copy(g, 1.0f);
-    Kokkos::deep_copy(w, 1.0f);
-    pre.observe_input("big", x);
-    pre.observe_output_grad("big", g);
-    pre.set_gradient("big", w);
-    if (policy == kfac::NonFinitePolicy::raise) {
-      CHECK_THROWS_WITH(pre.step(), Catch::Contains("layer 'big'") && Catch::Contains("overflow the factor type"));
-      CHECK(pre.step_count() == 0);
-      CHECK_FALSE(pre.layer("big").has_factors());
-    } else {
-      pre.step();
-      CHECK(pre.skipped_steps() == 1);
+  struct Case { int inputs, rows; float value; };
+  for (const Case c : {Case{4, 3, 3e30f}, Case{1, 8, 1e19f}})
+    for (auto policy : {kfac::NonFinitePolicy::raise, kfac::NonFinitePolicy::skip}) {
+      INFO(c.rows << " rows of " << c.inputs << " inputs of " << c.value);
+      FPre pre(kfac::Options{}.with_kl_clip(0.0).with_nonfinite_policy(policy));
+      pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>>("big", kfac::Dense(c.inputs, 2, false));
+      Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> x("x", c.rows, c.inputs), g("g", c.rows, 2),
+          w("w", 2, c.inputs);
+      Kokkos::deep_copy(x, c.value);
+      Kokkos::deep_copy(g, 1.0f);
+      Kokkos::deep_copy(w, 1.0f);
+      pre.observe_input("big", x);
+      pre.observe_output_grad("big", g);
+      pre.set_gradient("big", w);
+      if (policy == kfac::NonFinitePolicy::raise) {
+        CHECK_THROWS_WITH(pre.step(), Catch::Contains("layer 'big'") && Catch::Contains("overflow the factor type"));
+        CHECK(pre.step_count() == 0);
+      } else {
+        pre.step();
+        CHECK(pre.skipped_steps() == 1);
+      }
       CHECK(w(0, 0) == 1.0f);
       CHECK_FALSE(pre.layer("big").has_factors());
     }
-  }
 }
 
 TEST_CASE("a decomposition that keeps failing is reported with the layer name", "[nonfinite][retry]") {

@@ -62,6 +62,20 @@ void fold_factor(const Exec& exec, const PMatrix& p, C alpha, C beta0, const FMa
   }
 }
 
+/// Trace of a pending Gram matrix (its diagonal: column 0 of the diagonal layout), in double:
+/// the sum of squares of every row folded into it, with no pass over the rows. NaN or Inf in
+/// an observation, or a square too large for P's type, makes it non-finite (a diagonal entry
+/// bounds its row and column: \f$|P_{ij}| \le \sqrt{P_{ii} P_{jj}}\f$).
+template <bool diagonal, class Exec, class PMatrix>
+double pending_trace(const Exec& exec, const PMatrix& p) {
+  if (p.extent(0) == 0) return 0;
+  double t = 0;
+  Kokkos::parallel_reduce(
+      "kfac::layer::pending_trace", Kokkos::RangePolicy<Exec>(exec, 0, int(p.extent(0))),
+      KOKKOS_LAMBDA(int i, double& acc) { acc += double(diagonal ? p(i, 0) : p(i, i)); }, t);
+  return t;
+}
+
 /// Trace of a square factor, in double.
 template <class Exec, class FMatrix>
 double trace(const Exec& exec, const FMatrix& f) {
@@ -164,8 +178,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
                  layer_.a_rows(e), na_);
     layer_.fill_a_rows(exec, x, rows);
-    a_trace_ += impl::sum_of_squares(exec, rows);
     fold(exec, rows, a_count_++ == 0, na_, a_pending_);
+    a_trace_ = impl::pending_trace<diagonal>(exec, a_pending_);
     a_norm_ += layer_.a_normalizer(e);
     a_samples_ += e[0];
     a_extents_.push_back(e);
@@ -176,8 +190,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
                  layer_.g_rows(e), ng_);
     layer_.fill_g_rows(exec, g, scale, rows);
-    g_trace_ += impl::sum_of_squares(exec, rows);
     fold(exec, rows, g_count_++ == 0, ng_, g_pending_);
+    g_trace_ = impl::pending_trace<diagonal>(exec, g_pending_);
     g_norm_ += layer_.g_normalizer(e);
     g_samples_ += e[0];
   }
@@ -504,7 +518,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   PMatrix a_pending_, g_pending_;  // sum of R^T R over this step's observations (upper triangle)
   int a_count_ = 0, g_count_ = 0;   // observations folded in this step
   double a_norm_ = 0, g_norm_ = 0;
-  double a_trace_ = 0, g_trace_ = 0;  // sums of squares of the pending rows, in double
+  double a_trace_ = 0, g_trace_ = 0;  // traces of the pending Gram matrices (sums of squares of their rows)
   double pi_ = 0;  // pi of the factors being decomposed (prepare_decomposition); 0: not known
   long a_samples_ = 0, g_samples_ = 0;
   FMatrix a_, g_;
