@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <sstream>
+#include <type_traits>
 #include <kfac/distributed/mpi_comm.hpp>
 #include <kfac/kfac.hpp>
 
@@ -405,6 +406,92 @@ TEST_CASE("deferred decompositions equal the single-process result with the same
   register_all<kfac::Symmetric>(now);
   register_all<kfac::Symmetric>(later);
   CHECK(rel_diff(run(later, 0, 1, 4), run(now, 0, 1, 4)) > 1e-6);
+}
+
+TEST_CASE("decompositions shared in the background: the same result and bytes as at the swap step", "[mpi][distributed][deferred][background]") {
+  // Options::background_sharing (the default; this main asks MPI for MPI_THREAD_MULTIPLE): on
+  // Serial + LAPACK the thread that computes a deferred decomposition also broadcasts it, and
+  // every holder that computes none of the layer's units receives it into a shadow of its own,
+  // which memory_report() shows while the decomposition is in flight.
+  const int rank = world_rank(), size = world_size();
+  using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
+  const bool threads = kfac::MpiComm(MPI_COMM_WORLD).thread_multiple();
+  const bool off_thread = std::is_same<Host, Kokkos::Serial>::value;
+  for (double fraction : {1.0, 1.0 / size}) {
+    std::vector<double> got[2];
+    std::size_t bytes[2] = {0, 0}, pending[2] = {0, 0};
+    for (int bg : {0, 1}) {
+      kfac::MpiComm comm(MPI_COMM_WORLD);
+      DPre pre(options(fraction).with_decomposition_delay(1).with_background_sharing(bg == 1), Host(), comm);
+      register_all<kfac::Symmetric>(pre);
+      got[bg] = run(pre, rank, size, 3);  // step 2 launches a decomposition, swapped in at step 3
+      for (const auto& m : pre.memory_report()) pending[bg] += m.workspace_bytes;
+      const auto more = run(pre, rank, size, 4, 3);
+      got[bg].insert(got[bg].end(), more.begin(), more.end());
+      bytes[bg] = comm.bytes_sent();
+    }
+    INFO("rank " << rank << " of " << size << ", fraction " << fraction << ", MPI_THREAD_MULTIPLE " << threads);
+    CHECK(got[1] == got[0]);  // the same broadcasts, from another thread
+    CHECK(bytes[1] == bytes[0]);
+    CHECK(identical_on_all_ranks(got[1]));
+    kfac::Preconditioner<double, Host> single(options(1.0).with_decomposition_delay(1));
+    register_all<kfac::Symmetric>(single);
+    CHECK(rel_diff(got[1], run(single, 0, 1, 7)) < 1e-10);
+    // Under COMM-OPT every rank holds every layer and at least one layer's units are computed
+    // elsewhere (3 Kronecker layers, each on one rank): its receiving shadow is in flight.
+    if (fraction == 1.0 && size > 1) {
+      if (threads && off_thread) CHECK(pending[1] > pending[0]);
+      else CHECK(pending[1] == pending[0]);
+    }
+  }
+}
+
+TEST_CASE("a decomposition shared in the background that a damping retry mends is shared again", "[mpi][errors][deferred][background]") {
+  // Cholesky without pi of A = 2^56 (1 1; 1 1) + sqrt(damping) I. With damping 1 the shift is
+  // below half the spacing of doubles near 2^56 (16), so A + I == A, singular: potrf fails on
+  // the rank that computes it, in flight, and that failed attempt is what its thread
+  // broadcast. At the swap step the retry (damping 1000, shift 31.6) succeeds there; the other
+  // ranks must get the mended inverse, not keep what arrived in the background. With no retry
+  // allowed, every rank throws the same error.
+  const int rank = world_rank(), size = world_size();
+  const double big = std::ldexp(1.0, 28);
+  auto options_for = [](int retries, bool bg) {
+    return kfac::Options{}.with_kl_clip(0.0).with_damping(1.0).with_factor_decay(0.0).with_inv_update_steps(1)
+        .with_decomposition_delay(1).with_max_damping_retries(retries).with_damping_retry_factor(1000.0)
+        .with_background_sharing(bg);
+  };
+  auto run_steps = [&](auto& pre) {
+    pre.register_layer("c", kfac::Dense(2, 1, false), kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>>(
+                                                           kfac::Cholesky<>{}.with_pi_damping(false)));
+    V2 x("x", 1, 2), g("g", 1, 1), w("w", 1, 2);
+    std::vector<double> out;
+    for (int s = 0; s < 4; ++s) {
+      x(0, 0) = s == 1 ? big : 1.0;
+      x(0, 1) = s == 1 ? big : 0.5;
+      g(0, 0) = 1.0;
+      w(0, 0) = 1.0;
+      w(0, 1) = -2.0;
+      pre.observe_input("c", x);
+      pre.observe_output_grad("c", g);
+      pre.set_gradient("c", w);
+      pre.step();  // step 1 launches the decomposition of the singular A, step 2 swaps it in
+      out.push_back(w(0, 0));
+      out.push_back(w(0, 1));
+    }
+    return out;
+  };
+  kfac::Preconditioner<double, Host> single(options_for(1, false));
+  const auto expect = run_steps(single);
+  for (bool bg : {true, false}) {
+    INFO("rank " << rank << " of " << size << ", background sharing " << bg);
+    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options_for(1, bg), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    const auto got = run_steps(pre);
+    CHECK(rel_diff(got, expect) < 1e-12);
+    CHECK(identical_on_all_ranks(got));
+    kfac::Preconditioner<double, Host, kfac::MpiComm> strict(options_for(0, bg), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    CHECK_THROWS_WITH(run_steps(strict), Catch::Contains("layer 'c'") && Catch::Contains("failed after 0 damping increase(s)"));
+    CHECK(strict.step_count() == 2);
+  }
 }
 
 TEST_CASE("a checkpoint with decompositions in flight resumes bit-identically at every rank", "[mpi][checkpoint][deferred]") {

@@ -431,7 +431,8 @@ class MpiSession {
     const char* launched[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"};
     for (const char* v : launched)
       if (std::getenv(v)) active_ = true;
-    if (active_) MPI_Init(argc, argv);
+    int provided = 0;  // threads: kfac shares deferred decompositions from their threads
+    if (active_) MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
 #else
     (void)argc;
     (void)argv;

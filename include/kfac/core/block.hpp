@@ -3,6 +3,7 @@
 /// \brief The per-layer block interface every method implements, and the buffer views that
 /// distribution and checkpoints work on.
 #include <cstddef>
+#include <functional>
 #include <utility>
 #include <string>
 #include <vector>
@@ -31,6 +32,11 @@ struct Buffer {
   std::size_t scalar_size = 0; ///< 4 (float) or 8 (double)
   std::size_t bytes() const { return count * scalar_size; }
 };
+
+/// Shares unit `unit` of one layer (its buffers) from a background thread
+/// (Options::background_sharing); returns {bytes this rank sent, MPI calls}, which the calling
+/// thread counts later. Empty: the distribution shares nothing in the background.
+using BackgroundSharer = std::function<std::pair<std::size_t, std::size_t>(int unit, const std::vector<Buffer>&)>;
 
 /// A running factor as communicated: an n x n column-major matrix sent whole or as its packed
 /// upper triangle (n(n+1)/2 values), or a flat vector (diagonal, unit-wise: `n` values).

@@ -107,6 +107,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | int | max_damping_retries | decomposition failures retried with more damping | 3 |
 /// | double | damping_retry_factor | damping multiplier of each retry (> 1) | 10 |
 /// | long | decomposition_delay | d: a decomposition due at step s is computed from the statistics of step s (on a second host thread where the backend allows it) and used from step s + d; 0 = at once; at most every layer's inv_update_steps | 0 |
+/// | bool | background_sharing | with decomposition_delay, a decomposition computed on a second thread is also broadcast from it to the layer's other holders as soon as it is done, not at step s + d (needs MPI_THREAD_MULTIPLE on every rank and host memory; otherwise the broadcast stays at step s + d) | true |
 struct Options {
   Hyperparameter<double> lr{0.1};
   Hyperparameter<double> damping{0.001};
@@ -129,6 +130,7 @@ struct Options {
   int max_damping_retries = 3;
   double damping_retry_factor = 10.0;
   long decomposition_delay = 0;
+  bool background_sharing = true;
 
   Options& with_lr(Hyperparameter<double> v) { lr = std::move(v); return *this; }
   Options& with_damping(Hyperparameter<double> v) { damping = std::move(v); return *this; }
@@ -154,6 +156,7 @@ struct Options {
     decomposition_delay = d;
     return *this;
   }
+  Options& with_background_sharing(bool b) { background_sharing = b; return *this; }
   Options& with_damping_retry_factor(double f) {
     if (!(f > 1) || !std::isfinite(f)) throw Error("", "damping_retry_factor: expected a finite value > 1");
     damping_retry_factor = f;

@@ -166,8 +166,11 @@ class StepPhases {
       copy_into(exec_, e.block->checkpoint_state(), shadow.checkpoint_state());
       for (int u : units) copy_into(exec_, e.block->unit_buffers(u), shadow.unit_buffers(u));
     };
+    // Options::background_sharing: every holder takes part in the broadcasts from its thread.
+    const bool background = dist_.holds(l) && e.block->units() > 0 && e.block->decomposes_off_thread() &&
+                            dist_.shares_in_background(o_);
     e.deferred->launch(exec_, e.make_block, fill, std::move(mine), due_[l].values.damping, step_,
-                       step_ + o_.decomposition_delay);
+                       step_ + o_.decomposition_delay, background ? dist_.background_sharer(l) : BackgroundSharer{});
   }
 
   /// The step succeeded: observations are consumed and the schedules advance.
@@ -262,6 +265,7 @@ class StepPhases {
     const ScopedRegion region("kfac::step::decompose");
     std::optional<Error> failed;
     long failed_layer = 0, retries = 0;  // failed_layer is 1-based, 0 = none
+    bool reshare = false;  // a unit shared in the background was retried here: share again
     for (std::size_t l = 0; l < reg_.size() && !failed; ++l) {
       auto& e = reg_[l];
       const bool swap = swaps(l);
@@ -284,7 +288,9 @@ class StepPhases {
           if (!swap) {
             retries += with_retries(*e.block, u, due_[l].values.damping);
           } else {  // the first attempt ran in flight; retries, if any, run here on the shadow
-            retries += with_retries(e.deferred->shadow(), u, e.deferred->damping(), &e.deferred->failure(k));
+            const long r = with_retries(e.deferred->shadow(), u, e.deferred->damping(), &e.deferred->failure(k));
+            retries += r;
+            reshare = reshare || (r > 0 && e.deferred->shared_in_background());
             copy_into(exec_, e.deferred->shadow().unit_buffers(u), e.block->unit_buffers(u));
           }
         } catch (const Error& err) {
@@ -295,15 +301,16 @@ class StepPhases {
         if (failed) failed_layer = long(l) + 1;
       }
     }
-    // The lowest failing rank tells every rank what failed, so that all throw the same error.
+    // The lowest failing rank tells every rank what failed, so that all throw the same error
+    // (verdict world - rank + 1); 1: no failure, but some unit must be shared again.
     const int world = dist_.agreement_size(), rank = world == 1 ? 0 : dist_.comm().rank();
-    const long verdict = dist_.agree_max(failed_layer > 0 ? long(world - rank) : 0L);
-    if (verdict > 0) {
+    const long verdict = dist_.agree_max(failed_layer > 0 ? long(world - rank) + 1 : reshare ? 1L : 0L);
+    if (verdict > 1) {
       rollback();
       for (std::size_t l = 0; l < reg_.size(); ++l)
         if (swaps(l)) reg_[l].deferred->drop();
       if (world == 1) throw *failed;
-      const int root = world - int(verdict);
+      const int root = world - int(verdict - 1);
       const bool me = rank == root;
       const std::string layer = dist_.share_message(me ? failed->layer() : "", root);
       const std::string what = dist_.share_message(me ? bare_message(*failed) : "", root);
@@ -316,7 +323,16 @@ class StepPhases {
       const double damping = swap ? e.deferred->damping() : due_[l].values.damping;
       if (e.block->units() > 0) {
         exec_.fence();
-        for (int u = 0; u < e.block->units(); ++u) dist_.share_unit(l, u, e.block->unit_buffers(u));
+        const bool received = swap && e.deferred->shared_in_background();
+        if (received) dist_.count_background(e.deferred->sent());
+        if (received && verdict == 0) {  // the others' units arrived in the background
+          const auto& mine = e.deferred->units();
+          for (int u = 0; u < e.block->units(); ++u)
+            if (std::find(mine.begin(), mine.end(), u) == mine.end())
+              copy_into(exec_, e.deferred->shadow().unit_buffers(u), e.block->unit_buffers(u));
+        } else {
+          for (int u = 0; u < e.block->units(); ++u) dist_.share_unit(l, u, e.block->unit_buffers(u));
+        }
       }
       e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
       e.decomposed = true;

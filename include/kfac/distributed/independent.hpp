@@ -46,6 +46,9 @@ struct Independent {
     int factor_owner(const Options&, std::size_t, int) const { return -1; }
     void share_factors(const Exec&, const std::vector<impl::FactorBuffer>&) const {}
     void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}
+    bool shares_in_background(const Options&) const { return false; }
+    impl::BackgroundSharer background_sharer(std::size_t) { return {}; }
+    void count_background(std::pair<std::size_t, std::size_t>) {}
     void share_gradient(std::size_t, const impl::Buffer&) {}
     bool shares_gradients() const { return false; }
     /// No rank shares a layer's preconditioning (Options::split_preconditioning does nothing).

@@ -15,7 +15,10 @@
 #include <Kokkos_Core.hpp>
 #include <cfloat>
 #include <cmath>
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kfac/core/block.hpp"
@@ -27,6 +30,13 @@
 #include "kfac/error.hpp"
 
 namespace kfac {
+namespace impl {
+/// The communicator can broadcast from a background thread (kfac::MpiComm::thread_multiple).
+template <class C, class = void>
+struct has_thread_multiple : std::false_type {};
+template <class C>
+struct has_thread_multiple<C, std::void_t<decltype(std::declval<const C&>().thread_multiple())>> : std::true_type {};
+}  // namespace impl
 
 struct Kaisa {
   using distribution_tag = void;
@@ -45,7 +55,7 @@ struct Kaisa {
              ";c=" + std::to_string(int(o.assignment_cost)) +
              ";co=" + std::to_string(int(o.colocate_factors)) + ";g=" + std::to_string(int(o.group_layout)) +
              ";p=" + std::to_string(int(o.comm_precision)) + ";o=" + std::to_string(int(o.reduce_to_owner)) +
-             ";sp=" + std::to_string(int(o.split_preconditioning)) + ";";
+             ";sp=" + std::to_string(int(o.split_preconditioning)) + ";bg=" + std::to_string(int(o.background_sharing)) + ";";
     }
     /// Collective: true on every rank when every rank passed the same signature.
     bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
@@ -140,6 +150,45 @@ struct Kaisa {
       const int root = assignment_.receiver_group_of(assignment_.decomposer(l, u));  // index in its worker group
       for (const auto& b : buffers) broadcast(b, root, worker_);
     }
+    /// Options::background_sharing applies: several ranks, host memory, and a communicator
+    /// with MPI_THREAD_MULTIPLE on every rank (the same answer on every rank).
+    bool shares_in_background(const Options& o) const {
+      if constexpr (impl::has_thread_multiple<Comm>::value && impl::host_accessible_v<Exec>)
+        return o.background_sharing && comm_.size() > 1 && comm_.thread_multiple();
+      else
+        return (void)o, false;
+    }
+    /// A function that shares layer l's units from a background thread, within a duplicate of
+    /// the worker group made for layer l (collectively over the group, the first time), each
+    /// from the root share_unit uses. Everything it needs is copied in now: the thread reads
+    /// no state of this object.
+    impl::BackgroundSharer background_sharer(std::size_t l) {
+      if constexpr (impl::has_thread_multiple<Comm>::value) {
+        if (background_.size() <= l) background_.resize(l + 1);
+        if (!background_[l]) background_[l] = std::make_unique<typename Comm::group_type>(comm_.duplicate(worker_));
+        std::vector<int> roots;
+        for (int u = 0; u < units_.at(l); ++u) roots.push_back(assignment_.receiver_group_of(assignment_.decomposer(l, u)));
+        const auto* group = background_[l].get();
+        const std::size_t max_message = comm_.max_message_bytes();
+        return [group, roots, max_message](int u, const std::vector<impl::Buffer>& buffers) {
+          std::pair<std::size_t, std::size_t> sent{0, 0};
+          for (const auto& b : buffers) {
+            const auto s = Comm::broadcast_polling(b.data, b.bytes(), roots.at(std::size_t(u)), *group, max_message);
+            sent.first += s.first;
+            sent.second += s.second;
+          }
+          return sent;
+        };
+      } else {
+        return (void)l, impl::BackgroundSharer{};
+      }
+    }
+    /// Counts what a background sharer sent, on the calling thread (bytes_sent() is exact at
+    /// the step that swaps the decomposition in).
+    void count_background(std::pair<std::size_t, std::size_t> sent) {
+      if constexpr (impl::has_thread_multiple<Comm>::value) comm_.count_sent(sent);
+      else (void)sent;
+    }
     /// Sends layer l's preconditioned gradient from its worker group to the receivers.
     void share_gradient(std::size_t l, const impl::Buffer& b) {
       if (units_.at(l) == 0 || assignment_.grad_workers() == comm_.size()) return;
@@ -203,6 +252,7 @@ struct Kaisa {
     std::vector<int> units_;
     bool groups_made_ = false;
     typename Comm::group_type worker_{}, receiver_{};
+    std::vector<std::unique_ptr<typename Comm::group_type>> background_;  // per layer: a duplicate of worker_
     Kokkos::View<char*, memory_space> staging_;
     Kokkos::View<char*, memory_space> payload_;  // a bucket converted to a float32 or bfloat16 payload
   };

@@ -16,11 +16,14 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "kfac/distributed/comm_precision.hpp"
@@ -53,6 +56,9 @@ class MpiComm {
   /// Payload bytes this rank handed to collectives (sums, broadcasts) so far.
   std::size_t bytes_sent() const { return state_->bytes; }
   void reset_bytes() { state_->bytes = 0; }
+  /// True when MPI provides MPI_THREAD_MULTIPLE on every rank (agreed when this object was
+  /// made): kfac may then broadcast from a background thread (Options::background_sharing).
+  bool thread_multiple() const { return state_->multiple; }
 
   double allreduce_sum(double v) const {
     double r = 0;
@@ -170,6 +176,43 @@ class MpiComm {
     check(MPI_Comm_split(state_->comm, color, rank(), &c), "MPI_Comm_split");
     return Group(c);
   }
+  /// Collective over `group`: a duplicate of it, for collectives made from another thread
+  /// (two threads must never run collectives on the same communicator).
+  Group duplicate(const Group& group) const {
+    MPI_Comm c;
+    check(MPI_Comm_dup(group.comm(), &c), "MPI_Comm_dup");
+    return Group(c);
+  }
+  /// \brief From a background thread (needs thread_multiple()): broadcasts raw bytes from group
+  /// rank `root_index` within `group`, in pieces of at most `max_message` bytes, each an
+  /// MPI_Ibcast completed by MPI_Test with short sleeps (a blocking broadcast would keep a core
+  /// busy while it waits for the root). Touches no counter; returns {bytes this rank sent as
+  /// the root, MPI calls}, for count_sent() on the calling thread.
+  static std::pair<std::size_t, std::size_t> broadcast_polling(void* data, std::size_t bytes, int root_index,
+                                                               const Group& group, std::size_t max_message) {
+    int gsize = 1, grank = 0;
+    MPI_Comm_size(group.comm(), &gsize);
+    if (gsize == 1 || bytes == 0) return {0, 0};
+    MPI_Comm_rank(group.comm(), &grank);
+    auto* p = static_cast<char*>(data);
+    std::size_t calls = 0;
+    for (std::size_t off = 0; off < bytes; off += max_message, ++calls) {
+      MPI_Request r;
+      check(MPI_Ibcast(p + off, int(std::min(max_message, bytes - off)), MPI_BYTE, root_index, group.comm(), &r),
+            "MPI_Ibcast");
+      for (int done = 0;;) {
+        check(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test");
+        if (done) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    return {grank == root_index ? bytes : 0, calls};
+  }
+  /// Adds what broadcast_polling() returned to bytes_sent() and messages().
+  void count_sent(std::pair<std::size_t, std::size_t> sent) const {
+    state_->bytes += sent.first;
+    state_->messages += sent.second;
+  }
   /// Broadcasts raw bytes from group rank `root_index` within `group`.
   void broadcast(void* data, std::size_t bytes, int root_index, const Group& group) const {
     bcast(data, bytes, root_index, group.comm());
@@ -219,6 +262,11 @@ class MpiComm {
       MPI_Comm_rank(comm, &rank);
       MPI_Comm_size(comm, &size);
       MPI_Op_create(&impl::bf16_sum, 1, &bf16_op);
+      int provided = MPI_THREAD_SINGLE;
+      MPI_Query_thread(&provided);
+      int all = provided == MPI_THREAD_MULTIPLE ? 1 : 0;
+      check(MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
+      multiple = all == 1;
     }
     ~State() {
       int finalized = 0;
@@ -230,6 +278,7 @@ class MpiComm {
     MPI_Comm comm = MPI_COMM_NULL;
     MPI_Op bf16_op = MPI_OP_NULL;
     int rank = 0, size = 1;
+    bool multiple = false;
     std::size_t bytes = 0, messages = 0;
     std::size_t max_message = std::size_t(1) << 30;
   };
