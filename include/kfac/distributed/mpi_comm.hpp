@@ -185,8 +185,8 @@ class MpiComm {
   }
   /// \brief From a background thread (needs thread_multiple()): broadcasts raw bytes from group
   /// rank `root_index` within `group`, in pieces of at most `max_message` bytes, each an
-  /// MPI_Ibcast completed by MPI_Test with short sleeps (a blocking broadcast would keep a core
-  /// busy while it waits for the root). Touches no counter; returns {bytes this rank sent as
+  /// MPI_Ibcast completed by MPI_Test with sleeps from 20 us doubling up to 1 ms (a blocking
+  /// broadcast would keep a core busy while it waits for the root). Touches no counter; returns {bytes this rank sent as
   /// the root, MPI calls}, for count_sent() on the calling thread.
   static std::pair<std::size_t, std::size_t> broadcast_polling(void* data, std::size_t bytes, int root_index,
                                                                const Group& group, std::size_t max_message) {
@@ -200,10 +200,10 @@ class MpiComm {
       MPI_Request r;
       check(MPI_Ibcast(p + off, int(std::min(max_message, bytes - off)), MPI_BYTE, root_index, group.comm(), &r),
             "MPI_Ibcast");
-      for (int done = 0;;) {
+      for (int done = 0, pause = 20;; pause = std::min(2 * pause, 1000)) {
         check(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test");
         if (done) break;
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        std::this_thread::sleep_for(std::chrono::microseconds(pause));
       }
     }
     return {grank == root_index ? bytes : 0, calls};
