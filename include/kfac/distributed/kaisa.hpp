@@ -153,16 +153,18 @@ struct Kaisa {
     /// Options::background_sharing applies: several ranks, host memory, and a communicator
     /// with MPI_THREAD_MULTIPLE on every rank (the same answer on every rank).
     bool shares_in_background(const Options& o) const {
+      bool on = false;
       if constexpr (impl::has_thread_multiple<Comm>::value && impl::host_accessible_v<Exec>)
-        return o.background_sharing && comm_.size() > 1 && comm_.thread_multiple();
-      else
-        return (void)o, false;
+        on = o.background_sharing && comm_.size() > 1 && comm_.thread_multiple();
+      (void)o;
+      return on;
     }
     /// A function that shares layer l's units from a background thread, within a duplicate of
     /// the worker group made for layer l (collectively over the group, the first time), each
     /// from the root share_unit uses. Everything it needs is copied in now: the thread reads
     /// no state of this object.
     impl::BackgroundSharer background_sharer(std::size_t l) {
+      impl::BackgroundSharer sharer;
       if constexpr (impl::has_thread_multiple<Comm>::value) {
         if (background_.size() <= l) background_.resize(l + 1);
         if (!background_[l]) background_[l] = std::make_unique<typename Comm::group_type>(comm_.duplicate(worker_));
@@ -170,7 +172,7 @@ struct Kaisa {
         for (int u = 0; u < units_.at(l); ++u) roots.push_back(assignment_.receiver_group_of(assignment_.decomposer(l, u)));
         const auto* group = background_[l].get();
         const std::size_t max_message = comm_.max_message_bytes();
-        return [group, roots, max_message](int u, const std::vector<impl::Buffer>& buffers) {
+        sharer = [group, roots, max_message](int u, const std::vector<impl::Buffer>& buffers) {
           std::pair<std::size_t, std::size_t> sent{0, 0};
           for (const auto& b : buffers) {
             const auto s = Comm::broadcast_polling(b.data, b.bytes(), roots.at(std::size_t(u)), *group, max_message);
@@ -179,9 +181,9 @@ struct Kaisa {
           }
           return sent;
         };
-      } else {
-        return (void)l, impl::BackgroundSharer{};
       }
+      (void)l;
+      return sharer;
     }
     /// Counts what a background sharer sent, on the calling thread (bytes_sent() is exact at
     /// the step that swaps the decomposition in).
