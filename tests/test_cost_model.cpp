@@ -350,6 +350,55 @@ TEST_CASE("ResNet-50 shapes", "[cost_model][resnet50]") {
         Approx(kfac::MachineFigures{}.eigen_seconds_per_n3 * (cube(4608) + cube(512))));
 }
 
+TEST_CASE("factor computation: a syrk per factor over this rank's share of the rows", "[cost_model][time]") {
+  const double flops = 1e9;
+  const auto figures =
+      kfac::MachineFigures{}.with_gemm_flops(flops).with_latency(0).with_bandwidth(1e300).with_memory_bandwidth(1e300);
+  auto syrk = [](double n) { return n * (n + 1); };  // flops per row
+  const double per_row = syrk(785) + syrk(1024) + syrk(1025) + syrk(1024) + syrk(1025) + syrk(10);
+  auto net = mlp();
+  const kfac::CostModel plain(net, figures);
+  for (auto& l : net) l.with_observation_rows(256);
+  const kfac::CostModel m(net, figures);
+
+  CHECK(plain.predict(1, 1.0).factor_compute_seconds == 0.0);
+  CHECK(m.predict(1, 1.0).factor_compute_seconds == Approx(256 * per_row / flops));
+  // the global batch split over the ranks, rounded up: 128 rows each on 2 ranks, 86 on 3
+  for (int world : {2, 3, 4}) {
+    const auto p = m.predict(world, 1.0);
+    const double rows = double((256 + world - 1) / world);
+    CHECK(p.factor_compute_seconds == Approx(rows * per_row / flops));
+    for (const auto& r : p.ranks) CHECK(r.factor_seconds == Approx(rows * per_row / flops));
+  }
+  SECTION("step_seconds: factors and their averaging per factor update, decompositions per decomposition step") {
+    const auto o = kfac::Options{}.with_factor_update_steps(2L).with_inv_update_steps(10L);
+    const auto p = m.predict(2, o), q = plain.predict(2, o);
+    CHECK(p.step_seconds() == Approx((p.factor_compute_seconds + p.factor_comm_seconds) / 2 +
+                                     p.decomposition_phase_seconds / 10 + p.preconditioning_phase_seconds));
+    CHECK(p.step_seconds() - q.step_seconds() == Approx(p.factor_compute_seconds / 2));
+    CHECK(p.decomposition_phase_seconds == q.decomposition_phase_seconds);
+  }
+  SECTION("diagonal factors, float factors, BatchNorm and skipped layers") {
+    std::vector<kfac::LayerShape> v{
+        kfac::LayerShape::of<kfac::Dense, kfac::Diagonal>("diag", kfac::Dense(5, 4)).with_observation_rows(10),
+        kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(
+            "single", kfac::Dense(5, 4))
+            .with_observation_rows(10),
+        kfac::LayerShape::of("bn", kfac::BatchNorm2d(3)).with_observation_rows(10),
+        kfac::LayerShape::of("skipped", kfac::Dense(5, 4)).with_observation_rows(10)};
+    const auto f = kfac::MachineFigures(figures).with_float_speedup(2.0);  // memory: free
+    const auto p = kfac::CostModel(v, f).predict(1, kfac::Options{}.with_skip_layers({"skipped"}));
+    CHECK(p.factor_compute_seconds == Approx(10 * (2.0 * (6 + 4) + (syrk(6) + syrk(4)) / 2) / flops));
+  }
+  SECTION("forming the rows: a + g values per row, read and written once") {
+    const double bw = 1e8;
+    const auto p = kfac::CostModel(net, kfac::MachineFigures(figures).with_memory_bandwidth(bw)).predict(2, 1.0);
+    const double values = 785 + 1024 + 1025 + 1024 + 1025 + 10;
+    CHECK(p.factor_compute_seconds == Approx(128 * (per_row / flops + 2 * 8 * values / bw)));
+  }
+  CHECK_THROWS_WITH(kfac::LayerShape::of("fc", kfac::Dense(5, 4)).with_observation_rows(-1), Catch::Contains("fc"));
+}
+
 TEST_CASE("bad inputs raise kfac::Error", "[cost_model][errors]") {
   const kfac::CostModel m(small_net());
   CHECK_THROWS_AS(m.predict(0, 1.0), kfac::Error);

@@ -20,6 +20,11 @@
 ///   `--reps` repetitions of (decomposing step - following plain step); preconditioning is the
 ///   median plain step (GEMMs, gradient broadcasts when f < 1, KL clip, copies). Minima and CPU
 ///   time are printed too: on a machine shared with other work they show what was disturbed.
+/// - training schedule: a second Preconditioner runs `--schedule-reps` windows of
+///   `--schedule-inv` steps with fresh observations and a factor update every step and a
+///   decomposition every `--schedule-inv` steps; its mean step (observe + step(), the largest
+///   over ranks) is printed beside CostPrediction::step_seconds() for the same schedule, with the
+///   observation rows of the global batch (factor computation included), and their ratio.
 /// - baseline: with several ranks, rank 0 also runs a one-rank Preconditioner (MPI_COMM_SELF) on
 ///   the whole global batch, its step pairs interleaved with the distributed ones (the other ranks
 ///   wait at a barrier), so the speedup compares runs seconds apart on the same matrices.
@@ -33,6 +38,7 @@
 /// Usage: mpiexec -n N bench_distributed [--model mlp|resnet|small|all] [--strategies comm,hybrid,mem]
 ///          (each also as comm+own, hybrid+own, mem+own: with Options::reduce_to_owner)
 ///          [--reps 5] [--warmup 6] [--batch 256] [--conv-batch 16] [--shards 1]
+///          [--schedule-inv 10] [--schedule-reps 3]
 ///          [--figures measured|defaults] [--csv FILE] [--calibrate]
 ///          [--resnet50-table [--bandwidth B] [--latency L] [--eigen-seconds-per-n3 S] [--gemm-flops F]]
 /// Exit status: 0, or 1 when measured bytes or memory differ from the model (they are exact
@@ -56,6 +62,7 @@
 #include <kfac/kfac.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -181,9 +188,17 @@ Model small(int batch) {
   return m;
 }
 
-std::vector<kfac::LayerShape> shapes_of(const Model& m) {
+/// The model's layers; with `global_batch` > 0 each also says how many observation rows a step
+/// brings (the batch, times the output positions of a convolution), so that the model
+/// predicts the factor computation too.
+std::vector<kfac::LayerShape> shapes_of(const Model& m, long global_batch = 0) {
   std::vector<kfac::LayerShape> v;
-  for (const auto& s : m.layers) s.visit([&](const auto& layer) { v.push_back(kfac::LayerShape::of(s.name, layer)); });
+  for (const auto& s : m.layers)
+    s.visit([&](const auto& layer) {
+      v.push_back(kfac::LayerShape::of(s.name, layer));
+      const long positions = s.type == Spec::conv ? long(s.out_hw()) * s.out_hw() : 1;
+      if (s.type != Spec::batch_norm) v.back().with_observation_rows(kfac::index_t(global_batch * positions));
+    });
   return v;
 }
 
@@ -260,12 +275,17 @@ struct Data {
   }
 };
 
-/// Observes every shard as a micro-batch on factor-update steps and sets the gradients.
-void feed(Pre& pre, const Model& m, Data& d) {
+/// Restores the gradients and, on factor-update steps, draws every shard's next micro-batch.
+void prepare(const Pre& pre, Data& d) {
   d.grads.restore();
-  const bool observe = pre.wants_observations();
-  if (observe)
+  if (pre.wants_observations())
     for (auto& sh : d.shards) sh.next();
+}
+
+/// Observes every shard on factor-update steps and sets the gradients (what a training loop
+/// hands to kfac between backward and step()).
+void hand_over(Pre& pre, const Model& m, const Data& d) {
+  const bool observe = pre.wants_observations();
   for (std::size_t l = 0; l < m.layers.size(); ++l) {
     const auto& s = m.layers[l];
     if (observe)
@@ -279,6 +299,11 @@ void feed(Pre& pre, const Model& m, Data& d) {
     else if (s.type == Spec::conv) pre.set_gradient(s.name, g.w4[l]);
     else pre.set_gradient(s.name, g.w1[l], g.b[l]);
   }
+}
+
+void feed(Pre& pre, const Model& m, Data& d) {
+  prepare(pre, d);
+  hand_over(pre, m, d);
 }
 
 template <class LayerType>
@@ -353,6 +378,18 @@ kfac::MachineFigures calibrate(bool print) {
   f.eigen_seconds_per_n3 = mean_over_ranks(median(te)) / n3;
   f.cholesky_seconds_per_n3 = mean_over_ranks(median(tc)) / n3;
   f.gemm_flops = mean_over_ranks(2.0 * n3 / median(tg));
+  {  // a streaming copy of 32 MiB: bytes read + written per second
+    std::vector<double> from(std::size_t(4) << 20, 1.0), to(from.size());
+    std::vector<double> tm;
+    MPI_Barrier(MPI_COMM_WORLD);
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto t0 = Clock::now();
+      std::memcpy(to.data(), from.data(), from.size() * sizeof(double));
+      tm.push_back(seconds_since(t0));
+      from[std::size_t(rep)] = to[std::size_t(rep) + 1];  // keep the copy observable
+    }
+    f.memory_bandwidth = mean_over_ranks(2.0 * double(from.size() * sizeof(double)) / median(tm));
+  }
   if (g_size > 1) {
     std::vector<char> buf(std::size_t(8) << 20);
     auto pingpong = [&](std::size_t bytes, int reps) {
@@ -379,9 +416,9 @@ kfac::MachineFigures calibrate(bool print) {
   }
   if (print && g_rank == 0)
     std::printf("figures (measured, %d rank(s) at once, n = %d): eigen %.3g s/n^3, cholesky %.3g s/n^3, "
-                "dgemm %.3g flop/s, latency %.3g s, bandwidth %.3g B/s\n",
+                "dgemm %.3g flop/s, latency %.3g s, bandwidth %.3g B/s, memory %.3g B/s\n",
                 g_size, n, f.eigen_seconds_per_n3, f.cholesky_seconds_per_n3, f.gemm_flops, f.latency,
-                f.bandwidth);
+                f.bandwidth, f.memory_bandwidth);
   return f;
 }
 
@@ -398,6 +435,7 @@ struct Config {
   std::vector<std::string> models{"mlp", "resnet"};
   std::vector<std::string> strategies{"comm", "hybrid", "mem"};
   int reps = 5, warmup = 6, batch = 256, conv_batch = 16, shards = 1;
+  int schedule_inv = 10, schedule_reps = 3;  ///< the training-schedule measurement (0 windows: off)
   bool measured_figures = true, calibrate_only = false, resnet50_table = false;
   double bandwidth = 0, latency = 0, eigen = 0, gemm = 0;
   std::string csv;
@@ -431,6 +469,41 @@ kfac::Options bench_options(double fraction, int warmup) {
       .with_grad_worker_fraction(fraction)
       .with_factor_update_steps([last_factor_step](long s) { return s < last_factor_step ? 1L : 1L << 40; })
       .with_inv_update_steps(2L);
+}
+
+/// The step as a training loop runs it, to set beside the model's CostPrediction::step_seconds():
+/// fresh observations and a factor update every step, a decomposition every `schedule_inv`
+/// steps. A step's time is observe + set_gradient + step() (drawing the data is not in it),
+/// the largest over ranks, each step after a barrier. Returns the median over `schedule_reps`
+/// windows of `schedule_inv` steps of the mean step time (one window before them warms up), and
+/// the part of it spent in observe + set_gradient (the largest over ranks).
+std::pair<double, double> schedule_seconds(const Config& c, const Model& m, const Strategy& st) {
+  kfac::MpiComm comm(MPI_COMM_WORLD);
+  const kfac::Options opts = kfac::Options{}
+                                 .with_loss_reduction(kfac::LossReduction::sum)
+                                 .with_grad_worker_fraction(st.fraction)
+                                 .with_reduce_to_owner(st.to_owner)
+                                 .with_factor_update_steps(1L)
+                                 .with_inv_update_steps(long(c.schedule_inv));
+  Pre pre(opts, Host(), comm);
+  for (const auto& s : m.layers) s.visit([&](const auto& layer) { pre.register_layer(s.name, layer); });
+  Data d(m, unsigned(g_rank * c.shards), unsigned(c.shards));
+  std::vector<double> windows, observing;
+  for (int w = 0; w <= c.schedule_reps; ++w) {
+    double total = 0, observe = 0;
+    for (int k = 0; k < c.schedule_inv; ++k) {
+      prepare(pre, d);
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto t0 = Clock::now();
+      hand_over(pre, m, d);
+      observe += max_over_ranks(seconds_since(t0));
+      pre.step();
+      total += max_over_ranks(seconds_since(t0));
+    }
+    if (w > 0) windows.push_back(total / c.schedule_inv);
+    if (w > 0) observing.push_back(observe / c.schedule_inv);
+  }
+  return {median(windows), median(observing)};
 }
 
 int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::MachineFigures& figures,
@@ -508,6 +581,16 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
 
   const kfac::CostModel model(shapes_of(m), figures);
   const kfac::CostPrediction p = model.predict(g_size, opts);
+  // The training schedule, and the model's step time for it (factor computation included).
+  const auto sched = c.schedule_reps > 0 ? schedule_seconds(c, m, st) : std::pair<double, double>{0, 0};
+  const double sched_ms = 1e3 * sched.first;
+  const kfac::CostPrediction ps =
+      kfac::CostModel(shapes_of(m, long(g_size) * c.shards * m.batch), figures)
+          .predict(g_size, kfac::Options{}
+                               .with_grad_worker_fraction(st.fraction)
+                               .with_reduce_to_owner(st.to_owner)
+                               .with_factor_update_steps(1L)
+                               .with_inv_update_steps(long(c.schedule_inv)));
   const auto& mine = p.ranks[std::size_t(g_rank)];
   const auto report = pre.memory_report();
   std::size_t mem[3] = {0, 0, 0};
@@ -574,13 +657,19 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
                 list(per_rank(p, [](const kfac::RankCost& r) { return double(r.memory_bytes()); }), 1.0 / 1024).c_str(),
                 list(md, 1.0 / 1024).c_str());
     std::printf("  exact: bytes, memory and assignment equal the model on every rank: %s\n", all_ok ? "yes" : "NO");
+    if (c.schedule_reps > 0)
+      std::printf("  training step        %9.1f ms (observe %.1f)   model %9.1f ms (factors %.1f + averaging %.1f + "
+                  "decomposition %.1f / %d + preconditioning %.1f): model/measured %.2f\n",
+                  sched_ms, 1e3 * sched.second, 1e3 * ps.step_seconds(), 1e3 * ps.factor_compute_seconds, 1e3 * ps.factor_comm_seconds,
+                  1e3 * ps.decomposition_phase_seconds, c.schedule_inv, 1e3 * ps.preconditioning_phase_seconds,
+                  1e3 * ps.step_seconds() / sched_ms);
     if (csv)
-      std::fprintf(csv, "%s,%s,%d,%d,%g,%.3f,%.3f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.3f,%d,%.3f,%.3f,%.3f,%.3f,%.3f\n", m.name.c_str(),
+      std::fprintf(csv, "%s,%s,%d,%d,%g,%.3f,%.3f,%.3f,%.3f,%.0f,%.0f,%.0f,%.3f,%.3f,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f\n", m.name.c_str(),
                    st.name.c_str(), g_size, blas_threads(), st.fraction, dec_ms, 1e3 * p.decomposition_phase_seconds,
                    pre_ms, 1e3 * p.preconditioning_phase_seconds, *std::max_element(fb.begin(), fb.end()),
                    *std::max_element(db.begin(), db.end()), *std::max_element(gb.begin(), gb.end()), mib(max_mem),
                    mib(double(p.max_memory_bytes())), all_ok, dec_min_ms, pre_min_ms, dec_cpu_ms,
-                   1e3 * *std::max_element(own.begin(), own.end()), base_ms);
+                   1e3 * *std::max_element(own.begin(), own.end()), base_ms, sched_ms, 1e3 * ps.step_seconds());
   }
   return all_ok ? 0 : 1;
 }
@@ -657,6 +746,8 @@ bool parse(int argc, char** argv, Config& c) {
     else if (a == "--batch") c.batch = std::stoi(value());
     else if (a == "--conv-batch") c.conv_batch = std::stoi(value());
     else if (a == "--shards") c.shards = std::stoi(value());
+    else if (a == "--schedule-inv") c.schedule_inv = std::stoi(value());
+    else if (a == "--schedule-reps") c.schedule_reps = std::stoi(value());
     else if (a == "--figures") c.measured_figures = value() == "measured";
     else if (a == "--csv") c.csv = value();
     else if (a == "--calibrate") c.calibrate_only = true;
@@ -667,7 +758,8 @@ bool parse(int argc, char** argv, Config& c) {
     else if (a == "--gemm-flops") c.gemm = std::stod(value());
     else return false;
   }
-  return c.reps >= 1 && c.warmup >= 4 && c.warmup % 2 == 0 && c.batch >= 1 && c.conv_batch >= 1 && c.shards >= 1;
+  return c.reps >= 1 && c.warmup >= 4 && c.warmup % 2 == 0 && c.batch >= 1 && c.conv_batch >= 1 && c.shards >= 1 &&
+         c.schedule_inv >= 1 && c.schedule_reps >= 0;
 }
 
 }  // namespace
@@ -687,6 +779,7 @@ int main(int argc, char* argv[]) {
     if (g_rank == 0)
       std::fprintf(stderr, "usage: mpiexec -n N bench_distributed [--model mlp|resnet|small|all] [--strategies comm,hybrid,mem] "
                            "[--reps 5] [--warmup 6 (even, >= 4)] [--batch 256] [--conv-batch 16] [--shards 1] "
+                           "[--schedule-inv 10] [--schedule-reps 3 (0: no training-schedule run)] "
                            "[--figures measured|defaults] [--csv FILE] [--calibrate] [--resnet50-table "
                            "[--bandwidth B/s] [--latency s] [--eigen-seconds-per-n3 s] [--gemm-flops F]]\n");
     MPI_Finalize();

@@ -10,6 +10,7 @@
 #include "common/sgd.hpp"
 #include "common/world.hpp"
 
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -18,6 +19,7 @@
 #if !defined(KFAC_EXAMPLES_WITHOUT_KFAC) && __has_include(<kfac/kfac.hpp>)
 #define KFAC_EXAMPLES_HAVE_KFAC 1
 #include <kfac/kfac.hpp>
+#include <kfac/planning/cost_model.hpp>
 #if KFAC_EXAMPLES_HAVE_MPI
 #include <kfac/distributed/mpi_comm.hpp>
 #endif
@@ -102,6 +104,13 @@ inline auto cholesky_method(bool pi_damping) {
       kfac::Cholesky<>{}.with_pi_damping(pi_damping));
 }
 
+/// \brief The cost model's K-FAC step, in seconds: the mean step and its parts (factors and
+/// their averaging per factor update, decompositions per decomposition step).
+struct KfacStepCost {
+  double step_s = 0, factors_s = 0, averaging_s = 0, decomposition_s = 0, preconditioning_s = 0;
+  long factor_interval = 1, inv_interval = 1;
+};
+
 class KfacSgd {
  public:
   /// \param world [in] one process, or the ranks whose factors are averaged (MPI)
@@ -110,6 +119,8 @@ class KfacSgd {
     if (s.inverse != "eigen" && s.inverse != "cholesky")
       throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen or cholesky)");
     const kfac::Options options = kfac_options(s, world.size());
+    options_ = options;
+    cholesky_ = s.inverse == "cholesky";
 #if KFAC_EXAMPLES_HAVE_MPI
     if (world.size() > 1)
       mpi_ = std::make_unique<MpiPreconditioner>(options, ExecSpace(), kfac::MpiComm(world.comm()));
@@ -127,9 +138,56 @@ class KfacSgd {
   /// them; the library's own regions name the phases of step().
   void step(Network& net) {
     Kokkos::Profiling::pushRegion("kfac::examples::kfac");
+    const auto t0 = std::chrono::steady_clock::now();
     with_preconditioner([&](auto& pre) { precondition(net, pre); });
+    kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     Kokkos::Profiling::popRegion();
     sgd_.step();
+  }
+
+  /// \brief Seconds spent in kfac (observe_*, set_gradient and step()) on this rank so far.
+  double kfac_seconds() const { return kfac_seconds_; }
+
+  /// \brief kfac::CostModel's prediction (kfac::MachineFigures' defaults) for this network,
+  /// these options and `world` ranks, with the observation rows of the last step's batch on
+  /// this rank (times `world`: the global batch): what kfac_seconds() should come to per step.
+  /// Call it after a step.
+  KfacStepCost predicted(Network& net, int world) const {
+    std::vector<kfac::LayerShape> shapes;
+    auto kronecker = [&](const std::string& name, const auto& kfac_layer, long rows) {
+      using K = std::decay_t<decltype(kfac_layer)>;
+      if (cholesky_) shapes.push_back(kfac::LayerShape::of<K, kfac::Symmetric, kfac::Cholesky<>, kfac::Precision<float>>(name, kfac_layer));
+      else shapes.push_back(kfac::LayerShape::of<K, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(name, kfac_layer));
+      shapes.back().with_observation_rows(kfac::index_t(rows) * world);
+    };
+    net.for_each_layer([&](const std::string& name, const auto& layer) {
+      using L = std::decay_t<decltype(layer)>;
+      if constexpr (std::is_same_v<L, Dense>) {
+        kronecker(name, kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias()),
+                  long(layer.output_grad().extent(0)));
+      } else if constexpr (std::is_same_v<L, Conv2d>) {
+        const Conv2dShape& c = layer.shape();
+        const auto& dy = layer.output_grad();  // (N, O, Ho, Wo): one row per sample and position
+        kronecker(name,
+                  kfac::Conv2d(c.in_channels, c.out_channels, c.kernel_h, c.kernel_w)
+                      .with_stride(c.stride, c.stride)
+                      .with_padding(c.padding, c.padding)
+                      .with_bias(c.bias),
+                  long(dy.extent(0)) * long(dy.extent(2)) * long(dy.extent(3)));
+      } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
+        shapes.push_back(kfac::LayerShape::of<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels())));
+      }
+    });
+    const kfac::CostPrediction p = kfac::CostModel(shapes).predict(world, options_);
+    KfacStepCost c;
+    c.step_s = p.step_seconds();
+    c.factors_s = p.factor_compute_seconds;
+    c.averaging_s = p.factor_comm_seconds;
+    c.decomposition_s = p.decomposition_phase_seconds;
+    c.preconditioning_s = p.preconditioning_phase_seconds;
+    c.factor_interval = p.factor_interval;
+    c.inv_interval = p.inv_interval;
+    return c;
   }
 
   /// \brief The KL-clip scale of the last step (1 = unclipped), for diagnostics.
@@ -149,6 +207,10 @@ class KfacSgd {
 #else
   using MpiPreconditioner = SerialPreconditioner;  // never constructed
 #endif
+
+  kfac::Options options_;
+  bool cholesky_ = false;
+  double kfac_seconds_ = 0;
 
   template <class F>
   void with_preconditioner(F&& f) {
@@ -241,12 +303,19 @@ class GradientSync {
 
 #else
 
+struct KfacStepCost {
+  double step_s = 0, factors_s = 0, averaging_s = 0, decomposition_s = 0, preconditioning_s = 0;
+  long factor_interval = 1, inv_interval = 1;
+};
+
 class KfacSgd {
  public:
   KfacSgd(Network&, const KfacSettings&, const World& = World()) {
     throw std::runtime_error("this build of the examples has no kfac (KFAC_EXAMPLES_WITHOUT_KFAC)");
   }
   void step(Network&) {}
+  double kfac_seconds() const { return 0.0; }
+  KfacStepCost predicted(Network&, int) const { return {}; }
   double last_kl_scale() const { return 1.0; }
   std::size_t bytes_sent() const { return 0; }
 };

@@ -183,6 +183,8 @@ class Trainer {
   }
 
   Network& network() { return net_; }
+  /// \brief The K-FAC rule, or null under another optimizer.
+  const KfacSgd* kfac() const { return std::get_if<KfacSgd>(&rule_); }
   const TrainSettings& settings() const { return settings_; }
   double lr() const { return settings_.lr > 0 ? settings_.lr : default_lr(settings_.optimizer, settings_.model); }
 

@@ -24,9 +24,13 @@
 ///   preconditioning its GEMM flops over a measured flop rate, a collective over p ranks
 ///   \f$\lceil\log_2 p\rceil \alpha + \min(\lceil\log_2 p\rceil, 2)\, b / \beta\f$ (binomial tree for
 ///   short messages, scatter+allgather for long ones, van de Geijn) with latency \f$\alpha\f$ and
-///   bandwidth \f$\beta\f$; a collective starts when its last member arrives. Not modelled: factor
-///   computation (it depends on the batch), element-wise kernels, KL clipping, transient
-///   LAPACK/MPI work arrays.
+///   bandwidth \f$\beta\f$; a collective starts when its last member arrives. Factor
+///   computation is modelled when the layers say how many observation rows a step brings
+///   (LayerShape::with_observation_rows: the global batch's rows, split evenly over the ranks):
+///   a syrk of n(n+1) flops per row and factor at the GEMM rate, plus forming the rows (im2col,
+///   transposes: every row value read and written once, at the memory bandwidth). Not
+///   modelled: other element-wise kernels (running averages, BatchNorm, KL clipping, gradient
+///   copies), transient LAPACK/MPI work arrays.
 
 #include <algorithm>
 #include <cmath>
@@ -97,6 +101,10 @@ struct LayerShape {
   std::size_t decomposition_scalar = 8;  ///< sizeof(Precision::decomposition_type)
   bool units_coupled = false;  ///< decomposing one unit reads the others (pi-damping)
   int split_passes = 0;        ///< passes of a divided apply (Block::split_passes; 0: not divisible)
+  /// Rows each of the layer's factor statistics is formed from per factor update, over the
+  /// whole global batch (a Dense layer: the batch; a Conv2d: batch x output positions; 0: factor
+  /// computation is not modelled). The model splits them evenly over the ranks.
+  index_t observation_rows = 0;
 
   /// What the layer's block says of itself (read from the block the Preconditioner would
   /// build, so the model restates no formula): values per averaged buffer, values per buffer
@@ -141,6 +149,13 @@ struct LayerShape {
     return s;
   }
 
+  /// Sets observation_rows (the global batch's rows per factor update).
+  LayerShape& with_observation_rows(index_t rows) {
+    if (rows < 0) throw Error(name, "cost model: expected observation_rows >= 0");
+    observation_rows = rows;
+    return *this;
+  }
+
   /// Number of units that need a decomposition (as Block::units()).
   int decomposed_factors() const { return int(unit_counts.size()); }
   /// Factor dimension n of factor `which` (0 = A, 1 = G).
@@ -178,6 +193,7 @@ struct LayerShape {
 /// | double | gemm_flops | double GEMM rate, flop/s | 4.2e10 |
 /// | double | bandwidth | bytes/s of one point-to-point link | 3.9e9 |
 /// | double | latency | seconds per message hop | 3.5e-7 |
+/// | double | memory_bandwidth | bytes/s of a streaming copy (read + written) on one rank | 2.4e10 |
 /// | double | float_speedup | how much faster float arithmetic runs than double | 2.0 |
 /// | int | newton_schulz_iterations | iterations assumed for kfac::NewtonSchulz (4 n^3 flops each) | 30 |
 ///
@@ -191,6 +207,7 @@ struct MachineFigures {
   double gemm_flops = 4.2e10;
   double bandwidth = 3.9e9;
   double latency = 3.5e-7;
+  double memory_bandwidth = 2.4e10;
   double float_speedup = 2.0;
   int newton_schulz_iterations = 30;
 
@@ -199,6 +216,7 @@ struct MachineFigures {
   MachineFigures& with_gemm_flops(double v) { gemm_flops = v; return *this; }
   MachineFigures& with_bandwidth(double v) { bandwidth = v; return *this; }
   MachineFigures& with_latency(double v) { latency = v; return *this; }
+  MachineFigures& with_memory_bandwidth(double v) { memory_bandwidth = v; return *this; }
   MachineFigures& with_float_speedup(double v) { float_speedup = v; return *this; }
   MachineFigures& with_newton_schulz_iterations(int v) { newton_schulz_iterations = v; return *this; }
 
@@ -212,6 +230,18 @@ struct MachineFigures {
       case DecompositionKind::newton_schulz: return scale * newton_schulz_iterations * 4.0 * n3 / gemm_flops;
       default: return 0.0;
     }
+  }
+  /// Seconds to form `layer`'s factor statistics from `rows` observation rows: the rows
+  /// themselves (a + g values each, read and written once, at memory_bandwidth), then one syrk,
+  /// n (n + 1) flops per row, for each Kronecker factor (2 n per row for diagonal ones);
+  /// BatchNorm is element-wise (not modelled). Reduced-precision factors are formed in float.
+  double factor_seconds(const LayerShape& layer, index_t rows) const {
+    if (!layer.kronecker) return 0.0;
+    const double a = double(layer.a_dim), g = double(layer.g_dim);
+    const double per_row = layer.diagonal ? 2.0 * (a + g) : a * (a + 1) + g * (g + 1);
+    const double scale = layer.factor_scalar < 8 ? 1.0 / float_speedup : 1.0;
+    const double scalar = layer.factor_scalar < 8 ? 4.0 : 8.0;
+    return double(rows) * (scale * per_row / gemm_flops + 2.0 * scalar * (a + g) / memory_bandwidth);
   }
   /// Seconds to precondition `layer`'s gradient: 4 GEMMs (eigen) or 2 (explicit inverses).
   double preconditioning_seconds(const LayerShape& layer) const {
@@ -247,6 +277,9 @@ struct RankCost {
   double decomposition_seconds = 0;
   /// Compute time of the GEMMs this rank runs to precondition its layers, per step.
   double preconditioning_seconds = 0;
+  /// Compute time of this rank's factor statistics (syrks of its share of the observation
+  /// rows), per factor update; 0 when no layer gives LayerShape::observation_rows.
+  double factor_seconds = 0;
   /// Bytes as MpiComm::bytes_sent() counts them: per factor update, per decomposition step,
   /// and per step for preconditioned gradients (only when f < 1) and, under
   /// split_preconditioning, this rank's rows in the all-gathers of each pass.
@@ -289,6 +322,8 @@ struct CostPrediction {
   /// Sum collectives (buckets) per factor update, and their modelled time.
   std::size_t factor_collectives = 0;
   double factor_comm_seconds = 0;
+  /// The slowest rank's factor computation per factor update (RankCost::factor_seconds).
+  double factor_compute_seconds = 0;
   /// Wall time of the decomposition phase of one step: every rank's own decompositions, the
   /// failure vote (an allreduce over all ranks), then the worker-group broadcasts in layer order.
   double decomposition_phase_seconds = 0;
@@ -298,9 +333,10 @@ struct CostPrediction {
   /// Factor and decomposition intervals at step 0 of the options the prediction was made for.
   long factor_interval = 1, inv_interval = 1;
 
-  /// Mean modelled seconds per step (factor computation excluded).
+  /// Mean modelled seconds per step: factor computation (where the layers give observation
+  /// rows) and averaging per factor update, decompositions, preconditioning.
   double step_seconds() const {
-    return factor_comm_seconds / double(factor_interval) +
+    return (factor_compute_seconds + factor_comm_seconds) / double(factor_interval) +
            decomposition_phase_seconds / double(inv_interval) + preconditioning_phase_seconds;
   }
   std::size_t max_memory_bytes() const {
@@ -375,6 +411,14 @@ class CostModel {
       rc.rank = r;
       for (std::size_t l = 0; l < n; ++l) rc.memory.push_back(memory(layers_[l], skip[l], options,
                                                                      !skip[l] && a.is_grad_worker(l, r)));
+    }
+    // Factor computation: every rank forms its share of the global batch's rows (data parallel).
+    for (auto& rc : p.ranks) {
+      for (std::size_t l = 0; l < n; ++l) {
+        const index_t rows = layers_[l].observation_rows;
+        if (!skip[l] && rows > 0) rc.factor_seconds += machine_.factor_seconds(layers_[l], (rows + world - 1) / world);
+      }
+      p.factor_compute_seconds = std::max(p.factor_compute_seconds, rc.factor_seconds);
     }
     factor_averaging(p, skip, options);
 
