@@ -29,6 +29,13 @@
 
 namespace nn {
 
+/// \brief The cost model's K-FAC step, in seconds: the mean step and its parts (factors and
+/// their averaging per factor update, decompositions per decomposition step); zeros without kfac.
+struct KfacStepCost {
+  double step_s = 0, factors_s = 0, averaging_s = 0, decomposition_s = 0, preconditioning_s = 0;
+  long factor_interval = 1, inv_interval = 1;
+};
+
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | double | lr | SGD learning rate, also the one KL clipping assumes | 0.1 |
@@ -103,13 +110,6 @@ inline auto cholesky_method(bool pi_damping) {
   return kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>, kfac::Precision<float>>(
       kfac::Cholesky<>{}.with_pi_damping(pi_damping));
 }
-
-/// \brief The cost model's K-FAC step, in seconds: the mean step and its parts (factors and
-/// their averaging per factor update, decompositions per decomposition step).
-struct KfacStepCost {
-  double step_s = 0, factors_s = 0, averaging_s = 0, decomposition_s = 0, preconditioning_s = 0;
-  long factor_interval = 1, inv_interval = 1;
-};
 
 class KfacSgd {
  public:
@@ -302,11 +302,6 @@ class GradientSync {
 };
 
 #else
-
-struct KfacStepCost {
-  double step_s = 0, factors_s = 0, averaging_s = 0, decomposition_s = 0, preconditioning_s = 0;
-  long factor_interval = 1, inv_interval = 1;
-};
 
 class KfacSgd {
  public:
