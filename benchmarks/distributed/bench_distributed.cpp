@@ -471,6 +471,17 @@ kfac::Options bench_options(double fraction, int warmup) {
       .with_inv_update_steps(2L);
 }
 
+/// The training schedule's options: a factor update every step, a decomposition every
+/// `schedule_inv` steps (the run and its prediction both read them).
+kfac::Options schedule_options(const Config& c, const Strategy& st) {
+  return kfac::Options{}
+      .with_loss_reduction(kfac::LossReduction::sum)
+      .with_grad_worker_fraction(st.fraction)
+      .with_reduce_to_owner(st.to_owner)
+      .with_factor_update_steps(1L)
+      .with_inv_update_steps(long(c.schedule_inv));
+}
+
 /// The step as a training loop runs it, to set beside the model's CostPrediction::step_seconds():
 /// fresh observations and a factor update every step, a decomposition every `schedule_inv`
 /// steps. A step's time is observe + set_gradient + step() (drawing the data is not in it),
@@ -479,13 +490,7 @@ kfac::Options bench_options(double fraction, int warmup) {
 /// the part of it spent in observe + set_gradient (the largest over ranks).
 std::pair<double, double> schedule_seconds(const Config& c, const Model& m, const Strategy& st) {
   kfac::MpiComm comm(MPI_COMM_WORLD);
-  const kfac::Options opts = kfac::Options{}
-                                 .with_loss_reduction(kfac::LossReduction::sum)
-                                 .with_grad_worker_fraction(st.fraction)
-                                 .with_reduce_to_owner(st.to_owner)
-                                 .with_factor_update_steps(1L)
-                                 .with_inv_update_steps(long(c.schedule_inv));
-  Pre pre(opts, Host(), comm);
+  Pre pre(schedule_options(c, st), Host(), comm);
   for (const auto& s : m.layers) s.visit([&](const auto& layer) { pre.register_layer(s.name, layer); });
   Data d(m, unsigned(g_rank * c.shards), unsigned(c.shards));
   std::vector<double> windows, observing;
@@ -500,8 +505,9 @@ std::pair<double, double> schedule_seconds(const Config& c, const Model& m, cons
       pre.step();
       total += max_over_ranks(seconds_since(t0));
     }
-    if (w > 0) windows.push_back(total / c.schedule_inv);
-    if (w > 0) observing.push_back(observe / c.schedule_inv);
+    if (w == 0) continue;  // the warm-up window
+    windows.push_back(total / c.schedule_inv);
+    observing.push_back(observe / c.schedule_inv);
   }
   return {median(windows), median(observing)};
 }
@@ -585,12 +591,7 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
   const auto sched = c.schedule_reps > 0 ? schedule_seconds(c, m, st) : std::pair<double, double>{0, 0};
   const double sched_ms = 1e3 * sched.first;
   const kfac::CostPrediction ps =
-      kfac::CostModel(shapes_of(m, long(g_size) * c.shards * m.batch), figures)
-          .predict(g_size, kfac::Options{}
-                               .with_grad_worker_fraction(st.fraction)
-                               .with_reduce_to_owner(st.to_owner)
-                               .with_factor_update_steps(1L)
-                               .with_inv_update_steps(long(c.schedule_inv)));
+      kfac::CostModel(shapes_of(m, long(g_size) * c.shards * m.batch), figures).predict(g_size, schedule_options(c, st));
   const auto& mine = p.ranks[std::size_t(g_rank)];
   const auto report = pre.memory_report();
   std::size_t mem[3] = {0, 0, 0};

@@ -322,7 +322,7 @@ struct CostPrediction {
   /// Sum collectives (buckets) per factor update, and their modelled time.
   std::size_t factor_collectives = 0;
   double factor_comm_seconds = 0;
-  /// The slowest rank's factor computation per factor update (RankCost::factor_seconds).
+  /// Factor computation per factor update (RankCost::factor_seconds, the same on every rank).
   double factor_compute_seconds = 0;
   /// Wall time of the decomposition phase of one step: every rank's own decompositions, the
   /// failure vote (an allreduce over all ranks), then the worker-group broadcasts in layer order.
@@ -412,14 +412,13 @@ class CostModel {
       for (std::size_t l = 0; l < n; ++l) rc.memory.push_back(memory(layers_[l], skip[l], options,
                                                                      !skip[l] && a.is_grad_worker(l, r)));
     }
-    // Factor computation: every rank forms its share of the global batch's rows (data parallel).
-    for (auto& rc : p.ranks) {
-      for (std::size_t l = 0; l < n; ++l) {
-        const index_t rows = layers_[l].observation_rows;
-        if (!skip[l] && rows > 0) rc.factor_seconds += machine_.factor_seconds(layers_[l], (rows + world - 1) / world);
-      }
-      p.factor_compute_seconds = std::max(p.factor_compute_seconds, rc.factor_seconds);
+    // Factor computation: every rank forms the same share of the global batch's rows (data
+    // parallel, rounded up), so every rank takes the same time.
+    for (std::size_t l = 0; l < n; ++l) {
+      const index_t rows = layers_[l].observation_rows;
+      if (!skip[l] && rows > 0) p.factor_compute_seconds += machine_.factor_seconds(layers_[l], (rows + world - 1) / world);
     }
+    for (auto& rc : p.ranks) rc.factor_seconds = p.factor_compute_seconds;
     factor_averaging(p, skip, options);
 
     // Decomposition phase, replaying Preconditioner::decompose: every rank first runs its own
