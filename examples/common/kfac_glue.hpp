@@ -104,6 +104,18 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_loss_reduction(kfac::LossReduction::mean);
 }
 
+/// \brief kfac's description of an example layer (the shapes register_layer and the cost model take).
+inline kfac::Dense kfac_layer_of(const Dense& layer) {
+  return kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias());
+}
+inline kfac::Conv2d kfac_layer_of(const Conv2d& layer) {
+  const Conv2dShape& c = layer.shape();
+  return kfac::Conv2d(c.in_channels, c.out_channels, c.kernel_h, c.kernel_w)
+      .with_stride(c.stride, c.stride)
+      .with_padding(c.padding, c.padding)
+      .with_bias(c.bias);
+}
+
 /// \brief What register_layer<L, Symmetric, Cholesky<>> registers for the examples' float
 /// preconditioners, with KfacSettings::pi_damping.
 inline auto cholesky_method(bool pi_damping) {
@@ -163,17 +175,10 @@ class KfacSgd {
     net.for_each_layer([&](const std::string& name, const auto& layer) {
       using L = std::decay_t<decltype(layer)>;
       if constexpr (std::is_same_v<L, Dense>) {
-        kronecker(name, kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias()),
-                  long(layer.output_grad().extent(0)));
+        kronecker(name, kfac_layer_of(layer), long(layer.output_grad().extent(0)));
       } else if constexpr (std::is_same_v<L, Conv2d>) {
-        const Conv2dShape& c = layer.shape();
         const auto& dy = layer.output_grad();  // (N, O, Ho, Wo): one row per sample and position
-        kronecker(name,
-                  kfac::Conv2d(c.in_channels, c.out_channels, c.kernel_h, c.kernel_w)
-                      .with_stride(c.stride, c.stride)
-                      .with_padding(c.padding, c.padding)
-                      .with_bias(c.bias),
-                  long(dy.extent(0)) * long(dy.extent(2)) * long(dy.extent(3)));
+        kronecker(name, kfac_layer_of(layer), long(dy.extent(0)) * long(dy.extent(2)) * long(dy.extent(3)));
       } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
         shapes.push_back(kfac::LayerShape::of<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels())));
       }
@@ -230,14 +235,8 @@ class KfacSgd {
     };
     net.for_each_layer([&](const std::string& name, const auto& layer) {
       using L = std::decay_t<decltype(layer)>;
-      if constexpr (std::is_same_v<L, Dense>) {
-        kronecker(name, kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias()));
-      } else if constexpr (std::is_same_v<L, Conv2d>) {
-        const Conv2dShape& c = layer.shape();
-        kronecker(name, kfac::Conv2d(c.in_channels, c.out_channels, c.kernel_h, c.kernel_w)
-                            .with_stride(c.stride, c.stride)
-                            .with_padding(c.padding, c.padding)
-                            .with_bias(c.bias));
+      if constexpr (std::is_same_v<L, Dense> || std::is_same_v<L, Conv2d>) {
+        kronecker(name, kfac_layer_of(layer));
       } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
         pre.template register_layer<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels()));
       }

@@ -64,18 +64,13 @@ class NgsgdSgd {
           if (s.rank >= 0)
             m.with_rank_in(clamp(s.rank, layer.in_features() + (layer.has_bias() ? 1 : 0)))
                 .with_rank_out(clamp(s.rank, layer.out_features()));
-          pre.register_layer(name, kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias()), m);
+          pre.register_layer(name, kfac_layer_of(layer), m);
         } else if constexpr (std::is_same_v<L, Conv2d>) {
           const Conv2dShape& c = layer.shape();
           if (s.rank >= 0)
             m.with_rank_in(clamp(s.rank, long(c.in_channels) * c.kernel_h * c.kernel_w + (c.bias ? 1 : 0)))
                 .with_rank_out(clamp(s.rank, c.out_channels));
-          pre.register_layer(name,
-                             kfac::Conv2d(c.in_channels, c.out_channels, c.kernel_h, c.kernel_w)
-                                 .with_stride(c.stride, c.stride)
-                                 .with_padding(c.padding, c.padding)
-                                 .with_bias(c.bias),
-                             m);
+          pre.register_layer(name, kfac_layer_of(layer), m);
         }
         // BatchNorm2d: left to plain SGD (NG-SGD handles Dense and Conv2d only).
       });
