@@ -263,6 +263,74 @@ TEST_CASE("reduce-to-owner equals the single-process result", "[mpi][distributed
   SECTION("MEM-OPT, Cholesky, split preconditioning") { check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size, true); }
 }
 
+TEST_CASE("overlapped collectives give the bits, bytes and messages of blocking ones", "[mpi][distributed][overlap]") {
+  // Options::overlap_communication (the default) against the blocking collectives, over 24
+  // steps (factors every step, decompositions every 3: two of three factor updates are summed
+  // while the step preconditions), for each strategy with reduce-to-owner, split
+  // preconditioning, reduced-precision payloads and 16-byte messages: every rank ends with
+  // the same gradients and factors (bit for bit at 2 ranks, within rounding from 3 on), and
+  // sends the same bytes in as many MPI calls.
+  const int rank = world_rank(), size = world_size();
+  struct Case {
+    double fraction;
+    bool owner, split;
+    kfac::CommPrecision payload;
+    std::size_t max_message;
+  };
+  std::vector<Case> cases{{1.0, false, false, kfac::CommPrecision::native, 1 << 30},
+                          {1.0 / size, false, false, kfac::CommPrecision::native, 1 << 30},
+                          {1.0, true, true, kfac::CommPrecision::native, 1 << 30},
+                          {1.0 / size, true, false, kfac::CommPrecision::bfloat16, 1 << 30},
+                          {1.0, false, true, kfac::CommPrecision::float32, 16},
+                          {1.0 / size, false, true, kfac::CommPrecision::native, 16}};
+  if (size >= 4) cases.push_back({0.5, true, true, kfac::CommPrecision::native, 1 << 30});
+  for (const auto& c : cases) {
+    std::vector<double> got[2], factors[2];
+    std::size_t bytes[2], messages[2], started[2];
+    for (int overlap : {0, 1}) {
+      kfac::MpiComm comm(MPI_COMM_WORLD);
+      comm.with_max_message_bytes(c.max_message);
+      kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
+          options(c.fraction).with_inv_update_steps(3).with_reduce_to_owner(c.owner).with_split_preconditioning(c.split)
+              .with_comm_precision(c.payload).with_overlap_communication(overlap == 1),
+          Host(), comm);
+      register_all<kfac::Symmetric>(pre);
+      got[overlap] = run(pre, rank, size, 24);
+      factors[overlap] = factors_of(pre);
+      bytes[overlap] = comm.bytes_sent();
+      messages[overlap] = comm.messages();
+      started[overlap] = comm.nonblocking_started();
+    }
+    INFO("rank " << rank << " of " << size << ", fraction " << c.fraction << ", owner " << c.owner << ", split " << c.split
+                 << ", payload " << int(c.payload) << ", max message " << c.max_message << ", nonblocking "
+                 << started[1]);
+    // Two ranks add once: the same bits. From three on, MPI's nonblocking reduce may add in
+    // another order than its blocking one: the same result within rounding (still identical
+    // on every rank: every rank gets rank 0's sum).
+    const double tol = c.payload == kfac::CommPrecision::native ? 1e-12 : c.payload == kfac::CommPrecision::float32 ? 1e-5 : 5e-2;
+    INFO("relative difference to the blocking run " << rel_diff(got[1], got[0]));
+    if (size <= 2) {
+      CHECK(got[1] == got[0]);
+      CHECK(factors[1] == factors[0]);
+    } else {
+      CHECK(rel_diff(got[1], got[0]) < tol);
+      CHECK(rel_diff(factors[1], factors[0]) < tol);
+    }
+    CHECK(identical_on_all_ranks(factors[1]) == (size == 1 || !c.owner));
+    CHECK(bytes[1] == bytes[0]);
+    CHECK(messages[1] == messages[0]);
+    CHECK(identical_on_all_ranks(got[1]));
+    CHECK(started[0] == 0);
+    // 16 overlapped factor updates (steps not divisible by 3), at least one sum each.
+    if (size > 1) CHECK(started[1] >= 16);
+    if (c.payload == kfac::CommPrecision::native) {
+      kfac::Preconditioner<double, Host> single(options(1.0).with_inv_update_steps(3));
+      register_all<kfac::Symmetric>(single);
+      CHECK(rel_diff(got[1], run(single, 0, 1, 24)) < 1e-10);
+    }
+  }
+}
+
 TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes]") {
   const int size = world_size();
   if (size == 1) return;

@@ -10,6 +10,7 @@
 # Environment (defaults in brackets): MODELS [mlp cnn], RANKS [1 2 4], EPOCHS [2], SEED [1],
 #   TRAIN_SUBSET [0 = all 60000], TEST_SUBSET [0 = all], TARGET [0.88 for mlp, 0.85 for cnn],
 #   OWNER [0 1] (reduce-to-owner settings tried), SPLIT [0 1] (split-preconditioning settings tried),
+#   OVERLAP [1] (--overlap-communication of every K-FAC run: 0 times the blocking collectives),
 #   OUT [a temporary folder], DATA [the demo's].
 # Runs with more ranks than cores are labelled "oversubscribed": their times are not scaling.
 set -euo pipefail
@@ -22,6 +23,7 @@ epochs=${EPOCHS:-2}
 seed=${SEED:-1}
 owners=${OWNER:-0 1}
 splits=${SPLIT:-0 1}
+overlap=${OVERLAP:-1}
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 cores=$(nproc)
@@ -74,7 +76,7 @@ for model in $models; do
         for split in $here_split; do
           IFS='|' read -r se tt bs km mm < <(run "$np" "$out/$model-np$np-$strategy-own$own-split$split" --model "$model" \
             --optimizer kfac --strategy "$strategy" --reduce-to-owner "$own" --split-preconditioning "$split" \
-            --target-acc "$target")
+            --overlap-communication "$overlap" --target-acc "$target")
           echo "| $model | $label | K-FAC | $strategy | $own | $split | $se | $tt | $bs | $km | $mm |"
         done
       done

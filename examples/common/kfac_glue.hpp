@@ -74,6 +74,7 @@ struct KfacSettings {
   std::string strategy = "comm-opt";  ///< comm-opt (f = 1), hybrid (f = 1/2), mem-opt (f = 1/world)
   bool reduce_to_owner = false;       ///< kfac::Options::with_reduce_to_owner
   bool split_preconditioning = false; ///< kfac::Options::with_split_preconditioning
+  bool overlap_communication = true;  ///< kfac::Options::with_overlap_communication
 };
 
 /// \brief The gradient-worker fraction `s` asks for on `world_size` ranks (see KfacSettings).
@@ -100,6 +101,7 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_inv_update_steps(s.inv_update_steps)
       .with_reduce_to_owner(s.reduce_to_owner)
       .with_split_preconditioning(s.split_preconditioning)
+      .with_overlap_communication(s.overlap_communication)
       .with_decomposition_delay(s.decomposition_delay)
       .with_loss_reduction(kfac::LossReduction::mean);
 }

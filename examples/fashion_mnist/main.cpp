@@ -74,6 +74,8 @@ void usage() {
       "  --reduce-to-owner 0|1           under mpiexec: sum each K-FAC factor only to the rank that inverts it (default 0)\n"
       "  --split-preconditioning 0|1     under mpiexec: divide each layer's preconditioning among its gradient workers\n"
       "                                  by rows, then all-gather them (default 0)\n"
+      "  --overlap-communication 0|1     under mpiexec: K-FAC's collectives as nonblocking ones overlapped with its\n"
+      "                                  preconditioning (default 1; 0: blocking, the same bits)\n"
       "  --decomposition-delay D         K-FAC decompositions used D steps after they fall due, computed meanwhile\n"
       "                                  (on a second thread on the Serial backend); 0 = at once (default 0)\n"
       "  --eigen-refresh T               eigen: refresh eigenvalues in the kept eigenbasis while the factor is\n"
@@ -176,6 +178,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
     else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
     else if (key == "--split-preconditioning") num(a.train.kfac.split_preconditioning);
+    else if (key == "--overlap-communication") num(a.train.kfac.overlap_communication);
     else if (key == "--decomposition-delay") num(a.train.kfac.decomposition_delay);
     else if (key == "--eigen-refresh") num(a.train.kfac.eigen_refresh);
     else if (key == "--seed" || key == "--seeds") {
@@ -246,6 +249,7 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
     }
     if (s.kfac.reduce_to_owner) n += "+own";
     if (s.kfac.split_preconditioning) n += "+split";
+    if (!s.kfac.overlap_communication) n += "+blocking";
   }
   if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
   if (k == nn::OptimizerKind::kfac && s.kfac.eigen_refresh > 0) {
@@ -391,11 +395,12 @@ int run(const Args& args, const nn::World& world) {
     std::printf("\ntimes count training steps only (test evaluations are excluded)\n");
     if (world.size() > 1 && std::find(kinds.begin(), kinds.end(), nn::OptimizerKind::kfac) != kinds.end()) {
       const double f = nn::resolve_grad_worker_fraction(args.train.kfac, world.size());
-      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer%s)%s\n",
+      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer%s)%s%s\n",
                   f, args.train.kfac.grad_worker_fraction > 0 ? "--grad-worker-fraction" : args.train.kfac.strategy.c_str(),
                   int(std::lround(f * world.size())), world.size(),
                   args.train.kfac.split_preconditioning ? ", each a block of its rows (split preconditioning)" : "",
-                  args.train.kfac.reduce_to_owner ? ", factors reduced to their owners" : "");
+                  args.train.kfac.reduce_to_owner ? ", factors reduced to their owners" : "",
+                  args.train.kfac.overlap_communication ? ", collectives overlapped" : ", blocking collectives");
     }
   }
 

@@ -108,6 +108,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | double | damping_retry_factor | damping multiplier of each retry (> 1) | 10 |
 /// | long | decomposition_delay | d: a decomposition due at step s is computed from the statistics of step s (on a second host thread where the backend allows it) and used from step s + d; 0 = at once; at most every layer's inv_update_steps | 0 |
 /// | bool | background_sharing | with decomposition_delay, a decomposition computed on a second thread is also broadcast from it to the layer's other holders as soon as it is done, not at step s + d (needs MPI_THREAD_MULTIPLE on every rank and host memory; otherwise the broadcast stays at step s + d) | true |
+/// | bool | overlap_communication | collectives of a step run as nonblocking ones overlapped with its computation: factor sums with the preconditioning on steps that decompose nothing, each layer's preconditioned-gradient broadcast and split-preconditioning all-gather with the next layer's work (kfac::MpiComm, host memory or a CUDA-aware communicator; the same bits and bytes as the blocking collectives) | true |
 struct Options {
   Hyperparameter<double> lr{0.1};
   Hyperparameter<double> damping{0.001};
@@ -131,6 +132,7 @@ struct Options {
   double damping_retry_factor = 10.0;
   long decomposition_delay = 0;
   bool background_sharing = true;
+  bool overlap_communication = true;
 
   Options& with_lr(Hyperparameter<double> v) { lr = std::move(v); return *this; }
   Options& with_damping(Hyperparameter<double> v) { damping = std::move(v); return *this; }
@@ -157,6 +159,7 @@ struct Options {
     return *this;
   }
   Options& with_background_sharing(bool b) { background_sharing = b; return *this; }
+  Options& with_overlap_communication(bool b) { overlap_communication = b; return *this; }
   Options& with_damping_retry_factor(double f) {
     if (!(f > 1) || !std::isfinite(f)) throw Error("", "damping_retry_factor: expected a finite value > 1");
     damping_retry_factor = f;

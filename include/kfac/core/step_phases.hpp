@@ -97,6 +97,14 @@ class StepPhases {
   StepPhases(const Exec& exec, Registry<Scalar, Exec>& reg, Dist& dist, const Options& o,
              const std::vector<Due>& due, long step)
       : exec_(exec), reg_(reg), dist_(dist), o_(o), due_(due), step_(step) {}
+  StepPhases(const StepPhases&) = delete;
+  StepPhases& operator=(const StepPhases&) = delete;
+  /// Nothing is left in flight, even when a phase threw (the next collectives must match).
+  ~StepPhases() {
+    for (std::size_t l = 0; l < unsettled_.size(); ++l) settle(l);
+    dist_.finish_average(exec_);
+    dist_.finish_sharing();
+  }
 
   /// Updates the due layers' statistics and averages them over the replica group. When the
   /// step also decomposes, the old statistics are kept first, for a rollback.
@@ -135,7 +143,13 @@ class StepPhases {
         averaged.push_back(now[k]);
       }
     }
-    dist_.average(exec_, averaged, o_);
+    // Options::overlap_communication: when nothing reads the new statistics before the
+    // preconditioning is done (no decomposition computed, swapped in or launched at this
+    // step), the sums run while precondition() works and complete at its end.
+    bool launching = false;
+    for (std::size_t l = 0; l < reg_.size(); ++l) launching = launching || launches(l);
+    if (!decomposes && !launching) dist_.start_average(exec_, averaged, o_);
+    else dist_.average(exec_, averaged, o_);
   }
 
   /// Computes this rank's units, and swaps in the deferred decompositions due now; agrees with
@@ -205,22 +219,46 @@ class StepPhases {
   }
 
   /// Holders precondition their layers; receivers get V from their group's holder. Every rank
-  /// first preconditions all of its own layers and only then takes part in the broadcasts, so
+  /// first preconditions all of its own layers and only then waits for the broadcasts, so
   /// that under MEM-OPT/HYBRID the ranks' GEMMs overlap instead of taking turns.
   /// Under Options::split_preconditioning a layer's holders divide its apply by rows and
   /// gather the rows after each pass (precondition_split).
+  /// With Options::overlap_communication (Dist::overlaps()) each layer's broadcast starts as
+  /// soon as its V is done (receivers start theirs at once) and the collectives in flight are
+  /// advanced after every layer; factor sums in flight (start_average) complete after the
+  /// Kronecker layers, before the closed forms, which read their statistics, are applied.
+  /// Every rank starts the broadcasts in the same order: undivided layers, then divided ones,
+  /// each in layer order.
   void precondition() {
     const ScopedRegion region("kfac::step::precondition");
+    const bool overlap = dist_.overlaps();
     std::vector<int> passes(reg_.size(), 0);  // of the divided applies; 0: applied whole
+    std::vector<char> divided(reg_.size(), 0), later(reg_.size(), 0);
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       auto& e = reg_[l];
       if (e.skipped) continue;
+      settle(l);  // its units arrive while the layers before it are preconditioned
+      divided[l] = dist_.split_parts(o_, l) > 1 && e.block->split_passes() > 0;
       e.block->load_gradient(exec_, e.w, e.b);  // receivers too: X enters the KL-clip sum
-      if (!dist_.holds(l)) continue;
-      if (dist_.split_parts(o_, l) > 1) passes[l] = e.block->split_passes();
-      if (passes[l] == 0) e.block->apply(exec_, due_[l].values.damping);
+      if (dist_.holds(l)) {
+        if (divided[l]) passes[l] = e.block->split_passes();
+        else if (e.block->units() == 0 && dist_.averaging_in_flight()) later[l] = 1;
+        else e.block->apply(exec_, due_[l].values.damping);
+      }
+      if (overlap && !divided[l]) {
+        exec_.fence();
+        dist_.share_gradient(l, e.block->preconditioned());
+        dist_.progress();
+      }
     }
-    precondition_split(passes);
+    precondition_split(passes, overlap);
+    if (overlap)
+      for (std::size_t l = 0; l < reg_.size(); ++l)
+        if (divided[l]) dist_.share_gradient(l, reg_[l].block->preconditioned());
+    dist_.finish_average(exec_);
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (later[l]) reg_[l].block->apply(exec_, due_[l].values.damping);
+    if (overlap) return dist_.finish_sharing();
     if (!dist_.shares_gradients()) return;
     exec_.fence();
     for (std::size_t l = 0; l < reg_.size(); ++l)
@@ -230,8 +268,9 @@ class StepPhases {
  private:
   /// The divided applies, pass by pass: each holder computes its rows of every divided layer,
   /// then the rows are gathered layer by layer (so that the ranks' GEMMs overlap), then the
-  /// next pass. Every row is computed by one rank, so the holders end with the same bits.
-  void precondition_split(const std::vector<int>& passes) {
+  /// next pass; with `overlap`, each layer's all-gather starts as soon as its rows are done.
+  /// Every row is computed by one rank, so the holders end with the same bits.
+  void precondition_split(const std::vector<int>& passes, bool overlap) {
     const int most = passes.empty() ? 0 : *std::max_element(passes.begin(), passes.end());
     for (int pass = 0; pass < most; ++pass) {
       for (std::size_t l = 0; l < reg_.size(); ++l) {
@@ -239,11 +278,32 @@ class StepPhases {
         auto& b = *reg_[l].block;
         const auto rows = row_block(b.split_rows(), dist_.split_part(l), dist_.split_parts(o_, l));
         b.apply_rows(exec_, due_[l].values.damping, pass, rows.first, rows.second);
+        if (!overlap) continue;
+        exec_.fence();
+        dist_.gather_rows(l, b.preconditioned(), b.split_rows());
+        dist_.progress();
+      }
+      if (overlap) {
+        dist_.finish_sharing();
+        continue;
       }
       exec_.fence();
       for (std::size_t l = 0; l < reg_.size(); ++l)
         if (passes[l] > pass) dist_.gather_rows(l, reg_[l].block->preconditioned(), reg_[l].block->split_rows());
     }
+  }
+
+  /// Completes layer l's decomposition when its units' broadcasts were left in flight by
+  /// decompose_now() (Options::overlap_communication): waits for them, then finishes it.
+  void settle(std::size_t l) {
+    if (l >= unsettled_.size() || unsettled_[l] < 0) return;
+    const double damping = unsettled_[l];
+    unsettled_[l] = -1.0;
+    auto& e = reg_[l];
+    dist_.finish_units(l);
+    e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
+    e.decomposed = true;
+    e.decomposition_damping = damping;
   }
 
   /// Layer l decomposes at once.
@@ -332,6 +392,11 @@ class StepPhases {
               copy_into(exec_, e.deferred->shadow().unit_buffers(u), e.block->unit_buffers(u));
         } else {
           for (int u = 0; u < e.block->units(); ++u) dist_.share_unit(l, u, e.block->unit_buffers(u));
+          if (dist_.overlaps()) {  // the broadcasts are in flight: precondition() settles the layer
+            unsettled_.resize(reg_.size(), -1.0);
+            unsettled_[l] = damping;
+            continue;
+          }
         }
       }
       e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
@@ -401,6 +466,7 @@ class StepPhases {
   StateBackup<Exec> backup_;
   std::vector<char> had_state_;
   std::vector<Kokkos::View<char*, typename Exec::memory_space>> kept_;
+  std::vector<double> unsettled_;  ///< per layer: the damping of a decomposition whose units are in flight (-1: none)
 };
 
 }  // namespace impl

@@ -43,6 +43,14 @@ struct Independent {
     bool sends_increments(const Options&, std::size_t) const { return false; }
     double payload_max(const Options&) const { return HUGE_VAL; }
     void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
+    /// Nothing travels, so nothing overlaps (Options::overlap_communication does nothing).
+    void start_average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
+    bool averaging_in_flight() const { return false; }
+    void finish_average(const Exec&) {}
+    bool overlaps() const { return false; }
+    void progress() {}
+    void finish_sharing() {}
+    void finish_units(std::size_t) {}
     int factor_owner(const Options&, std::size_t, int) const { return -1; }
     void share_factors(const Exec&, const std::vector<impl::FactorBuffer>&) const {}
     void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}

@@ -36,6 +36,23 @@ template <class C, class = void>
 struct has_thread_multiple : std::false_type {};
 template <class C>
 struct has_thread_multiple<C, std::void_t<decltype(std::declval<const C&>().thread_multiple())>> : std::true_type {};
+/// The communicator has nonblocking collectives (kfac::MpiComm::start_sum and its kin).
+template <class C, class = void>
+struct has_nonblocking : std::false_type {};
+template <class C>
+struct has_nonblocking<C, std::void_t<typename C::request_type>> : std::true_type {};
+/// Comm::request_type, or an empty stand-in for a communicator without nonblocking collectives.
+struct NoRequest {
+  bool test(bool = true) { return true; }
+  bool holds_back() const { return false; }
+  void wait() {}
+};
+template <class C, bool = has_nonblocking<C>::value>
+struct request_of { using type = NoRequest; };
+template <class C>
+struct request_of<C, true> { using type = typename C::request_type; };
+template <class C>
+using request_of_t = typename request_of<C>::type;
 }  // namespace impl
 
 struct Kaisa {
@@ -55,7 +72,8 @@ struct Kaisa {
              ";c=" + std::to_string(int(o.assignment_cost)) +
              ";co=" + std::to_string(int(o.colocate_factors)) + ";g=" + std::to_string(int(o.group_layout)) +
              ";p=" + std::to_string(int(o.comm_precision)) + ";o=" + std::to_string(int(o.reduce_to_owner)) +
-             ";sp=" + std::to_string(int(o.split_preconditioning)) + ";bg=" + std::to_string(int(o.background_sharing)) + ";";
+             ";sp=" + std::to_string(int(o.split_preconditioning)) + ";bg=" + std::to_string(int(o.background_sharing)) +
+             ";ov=" + std::to_string(int(o.overlap_communication)) + ";";
     }
     /// Collective: true on every rank when every rank passed the same signature.
     bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
@@ -74,9 +92,18 @@ struct Kaisa {
       if (!groups_made_ && comm_.size() > 1) {
         worker_ = comm_.split(assignment_.worker_group_of(comm_.rank()));
         receiver_ = comm_.split(assignment_.receiver_group_of(comm_.rank()));
+        if constexpr (impl::has_nonblocking<Comm>::value) sums_group_ = comm_.duplicate();
         groups_made_ = true;
       }
+      overlap_ = false;
+      if constexpr (impl::has_nonblocking<Comm>::value)
+        overlap_ = o.overlap_communication && comm_.size() > 1 && (impl::host_accessible_v<Exec> || comm_.cuda_aware());
     }
+    /// Options::overlap_communication applies to gradient broadcasts and all-gathers (set by plan()).
+    bool overlaps() const { return overlap_; }
+    /// ... and to factor sums: host memory only (the payload conversions and the sums of a
+    /// bucket run where MPI can read them without a staging copy).
+    bool overlaps_sums() const { return overlap_ && impl::host_accessible_v<Exec>; }
     const WorkAssignment& assignment() const { return assignment_; }
 
     /// This rank holds layer l's decompositions and preconditions it (closed forms: everyone).
@@ -127,11 +154,101 @@ struct Kaisa {
         owners.push_back(f.owner);
       }
       for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
-        std::vector<impl::FactorBuffer> mine;
-        for (std::size_t i : b.items) mine.push_back(all[i]);
-        if (b.scalar_size == 2) sum_bucket<float, Half>(exec, mine, b.bucket, o.comm_precision, b.owner);
-        else if (b.scalar_size == 4) sum_bucket<float>(exec, mine, b.bucket, o.comm_precision, b.owner);
-        else sum_bucket<double>(exec, mine, b.bucket, o.comm_precision, b.owner);
+        if (b.scalar_size == 2) sum_bucket<float, Half>(exec, all, b, o.comm_precision);
+        else if (b.scalar_size == 4) sum_bucket<float>(exec, all, b, o.comm_precision);
+        else sum_bucket<double>(exec, all, b, o.comm_precision);
+      }
+    }
+    /// \brief average() as nonblocking collectives (overlaps_sums(); else average() itself):
+    /// the same buckets, payloads, reduce-to-0-and-broadcast and owners, so the same bits and
+    /// bytes, on a duplicate of the communicator made by plan(). Every bucket is packed now
+    /// into its own part of one staging buffer; progress() advances the sums and
+    /// finish_average() completes them and writes the averages back. The buffers must not be
+    /// read or written until then.
+    void start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
+      if (!overlaps_sums()) return average(exec, all, o);
+      if constexpr (impl::has_nonblocking<Comm>::value) {
+        std::vector<std::size_t> counts, sizes;
+        std::vector<int> owners;
+        for (const auto& f : all) {
+          counts.push_back(f.payload_count());
+          sizes.push_back(f.storage.scalar_size);
+          owners.push_back(f.owner);
+        }
+        flight_ = Flight{all, impl::factor_buckets(counts, sizes, owners, o.bucket_bytes), {}, {}, o.comm_precision};
+        std::size_t total = 0;
+        for (const auto& b : flight_.buckets) {  // each bucket: its flat values, then its payload
+          const std::size_t n = impl::bucket_count(b.bucket), flat = impl::flat_scalar_size(b.scalar_size);
+          flight_.offsets.push_back(total);
+          total += round_up(n * flat) + round_up(n * impl::payload_size(o.comm_precision, flat));
+        }
+        if (flight_staging_.extent(0) < total)
+          flight_staging_ = Kokkos::View<char*, memory_space>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::comm::in_flight"), total);
+        for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
+          const auto& b = flight_.buckets[i];
+          void* flat = flight_staging_.data() + flight_.offsets[i];
+          if (b.scalar_size == 2) pack_bucket<float, Half>(exec, all, b, flat);
+          else if (b.scalar_size == 4) pack_bucket<float>(exec, all, b, flat);
+          else pack_bucket<double>(exec, all, b, flat);
+          const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
+          if (!impl::payload_is_native(o.comm_precision, flat_size))
+            impl::pack_payload(exec, flat, n, flat_size, o.comm_precision, payload_of(i));
+        }
+        exec.fence();  // MPI reads the packed buckets
+        for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
+          const auto& b = flight_.buckets[i];
+          const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size);
+          const bool native = impl::payload_is_native(o.comm_precision, flat_size);
+          flight_.sums.push_back(comm_.start_sum(native ? flight_staging_.data() + flight_.offsets[i] : payload_of(i),
+                                                 impl::bucket_count(b.bucket), flat_size, o.comm_precision, b.owner,
+                                                 sums_group_));
+        }
+      }
+    }
+    /// True between start_average() and finish_average().
+    bool averaging_in_flight() const { return !flight_.buckets.empty(); }
+    /// Completes the sums started by start_average() (in order) and writes each average into
+    /// its factors, as average() does.
+    void finish_average(const Exec& exec) {
+      if constexpr (impl::has_nonblocking<Comm>::value) {
+        if (flight_.buckets.empty()) return;
+        for (auto& r : flight_.sums) r.wait();
+        for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
+          const auto& b = flight_.buckets[i];
+          if (b.owner >= 0 && b.owner != comm_.rank()) continue;  // reduce-to-owner: only the owner reads the sum
+          void* flat = flight_staging_.data() + flight_.offsets[i];
+          const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
+          if (!impl::payload_is_native(flight_.payload, flat_size))
+            impl::unpack_payload(exec, payload_of(i), n, flat_size, flight_.payload, flat);
+          if (b.scalar_size == 2) unpack_bucket<float, Half>(exec, flight_.items, b, flat);
+          else if (b.scalar_size == 4) unpack_bucket<float>(exec, flight_.items, b, flat);
+          else unpack_bucket<double>(exec, flight_.items, b, flat);
+        }
+        exec.fence();
+        flight_ = Flight{};
+      }
+      (void)exec;
+    }
+    /// Advances the nonblocking collectives in flight (MPI moves data only inside its calls).
+    void progress() {
+      if constexpr (impl::has_nonblocking<Comm>::value) {
+        bool may_start = true;  // sums start their broadcasts in the order they were started
+        for (auto& r : flight_.sums) {
+          r.test(may_start);
+          may_start = may_start && !r.holds_back();
+        }
+        for (auto& r : shares_) r.test();
+        for (auto& layer : units_in_flight_)
+          for (auto& r : layer) r.test();
+      }
+    }
+    /// Completes the gradient broadcasts and all-gathers started since the last call (and any
+    /// unit broadcasts still in flight).
+    void finish_sharing() {
+      if constexpr (impl::has_nonblocking<Comm>::value) {
+        for (auto& r : shares_) r.wait();
+        shares_.clear();
+        for (std::size_t l = 0; l < units_in_flight_.size(); ++l) finish_units(l);
       }
     }
     /// Collective: every rank gets each owned factor's average from its owner (before a
@@ -145,10 +262,29 @@ struct Kaisa {
                               [&](void* p) { comm_.broadcast(p, f.storage.bytes(), f.owner); });
     }
     /// Shares layer l's unit u from its decomposer with the rest of the worker group.
+    /// With overlaps(), started here and completed by finish_units(l).
     void share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
       if (comm_.size() == 1) return;
       const int root = assignment_.receiver_group_of(assignment_.decomposer(l, u));  // index in its worker group
-      for (const auto& b : buffers) broadcast(b, root, worker_);
+      for (const auto& b : buffers) {
+        if constexpr (impl::has_nonblocking<Comm>::value) {
+          if (overlap_) {
+            if (units_in_flight_.size() <= l) units_in_flight_.resize(l + 1);
+            units_in_flight_[l].push_back(comm_.start_broadcast(b.data, b.bytes(), root, worker_));
+            continue;
+          }
+        }
+        broadcast(b, root, worker_);
+      }
+    }
+    /// Completes the broadcasts of layer l's units started by share_unit().
+    void finish_units(std::size_t l) {
+      if constexpr (impl::has_nonblocking<Comm>::value) {
+        if (l >= units_in_flight_.size()) return;
+        for (auto& r : units_in_flight_[l]) r.wait();
+        units_in_flight_[l].clear();
+      }
+      (void)l;
     }
     /// Options::background_sharing applies: several ranks, host memory, and a communicator
     /// with MPI_THREAD_MULTIPLE on every rank (the same answer on every rank).
@@ -192,8 +328,11 @@ struct Kaisa {
       else (void)sent;
     }
     /// Sends layer l's preconditioned gradient from its worker group to the receivers.
+    /// With overlaps(), started here and completed by finish_sharing().
     void share_gradient(std::size_t l, const impl::Buffer& b) {
       if (units_.at(l) == 0 || assignment_.grad_workers() == comm_.size()) return;
+      if constexpr (impl::has_nonblocking<Comm>::value)
+        if (overlap_) return shares_.push_back(comm_.start_broadcast(b.data, b.bytes(), assignment_.worker_group(l), receiver_));
       broadcast(b, assignment_.worker_group(l), receiver_);
     }
     /// True when some layer's gradient travels (a fence is needed before the broadcasts).
@@ -216,33 +355,57 @@ struct Kaisa {
         const auto r = impl::row_block(rows, k, parts);
         bytes.push_back(std::size_t(r.second - r.first) * row_bytes);
       }
+      if constexpr (impl::has_nonblocking<Comm>::value)
+        if (overlap_) return shares_.push_back(comm_.start_all_gather(b.data, bytes, worker_));
       impl::on_host<Exec>(comm_, b.data, b.bytes(), [&](void* p) { comm_.all_gather(p, bytes, worker_); });
     }
 
    private:
     template <class T, class S = T>
-    void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& items,
-                    const impl::Bucket& bucket, CommPrecision payload, int root) {
-      const std::size_t count = impl::bucket_count(bucket);
+    void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                    CommPrecision payload) {
+      const std::size_t count = impl::bucket_count(b.bucket);
       if (staging_.extent(0) < count * sizeof(T))
         staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * sizeof(T));
-      Kokkos::View<T*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(
-          reinterpret_cast<T*>(staging_.data()), count);
+      pack_bucket<T, S>(exec, all, b, staging_.data());
+      impl::sum_payload(exec, comm_, staging_.data(), count, sizeof(T), payload, payload_, b.owner);
+      if (b.owner >= 0 && b.owner != comm_.rank()) return;  // reduce-to-owner: only the owner reads the sum
+      unpack_bucket<T, S>(exec, all, b, staging_.data());
+    }
+    /// The factors of bucket `b` (pieces index b.items, which index `all`) into `flat`, as
+    /// values of T: increments over their bases when summed to every rank.
+    template <class T, class S = T>
+    void pack_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                     void* flat) const {
+      transfer_bucket<T, S>(exec, all, b, flat, true);
+    }
+    /// The average (the sum over ranks in `flat`, divided by the world size) back into the
+    /// factors of bucket `b`.
+    template <class T, class S = T>
+    void unpack_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                       void* flat) const {
+      transfer_bucket<T, S>(exec, all, b, flat, false);
+    }
+    template <class T, class S>
+    void transfer_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                         void* flat_data, bool pack) const {
+      Kokkos::View<T*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(static_cast<T*>(flat_data),
+                                                                                   impl::bucket_count(b.bucket));
+      const T scale = pack ? T(1) : T(1) / T(comm_.size());
       std::size_t off = 0;
-      for (const auto& p : bucket) {  // pack
-        const auto& f = items[p.item];
-        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, true, T(1), root >= 0 ? nullptr : static_cast<const S*>(f.base));
+      for (const auto& p : b.bucket) {
+        const auto& f = all[b.items[p.item]];
+        const S* base = pack && b.owner >= 0 ? nullptr : static_cast<const S*>(f.base);
+        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, pack, scale, base);
         off += p.count;
       }
-      impl::sum_payload(exec, comm_, flat.data(), count, sizeof(T), payload, payload_, root);
-      if (root >= 0 && root != comm_.rank()) return;  // reduce-to-owner: only the owner reads the sum
-      const T inv_world = T(1) / T(comm_.size());
-      off = 0;
-      for (const auto& p : bucket) {  // unpack and average
-        const auto& f = items[p.item];
-        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, false, inv_world, static_cast<const S*>(f.base));
-        off += p.count;
-      }
+    }
+    static std::size_t round_up(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+    /// The payload part of in-flight bucket i (after its flat values).
+    void* payload_of(std::size_t i) const {
+      const auto& b = flight_.buckets[i];
+      return flight_staging_.data() + flight_.offsets[i] +
+             round_up(impl::bucket_count(b.bucket) * impl::flat_scalar_size(b.scalar_size));
     }
     void broadcast(const impl::Buffer& b, int root, const typename Comm::group_type& g) {
       impl::on_host<Exec>(comm_, b.data, b.bytes(),
@@ -257,6 +420,20 @@ struct Kaisa {
     std::vector<std::unique_ptr<typename Comm::group_type>> background_;  // per layer: a duplicate of worker_
     Kokkos::View<char*, memory_space> staging_;
     Kokkos::View<char*, memory_space> payload_;  // a bucket converted to a float32 or bfloat16 payload
+    bool overlap_ = false;
+    /// Factor sums in flight (start_average() to finish_average()).
+    struct Flight {
+      std::vector<impl::FactorBuffer> items;
+      std::vector<impl::FactorBucket> buckets;
+      std::vector<std::size_t> offsets;  // of each bucket in flight_staging_
+      std::vector<impl::request_of_t<Comm>> sums;
+      CommPrecision payload = CommPrecision::native;
+    };
+    Flight flight_;
+    Kokkos::View<char*, memory_space> flight_staging_;
+    std::vector<impl::request_of_t<Comm>> shares_;  // gradient broadcasts and all-gathers in flight
+    std::vector<std::vector<impl::request_of_t<Comm>>> units_in_flight_;  // per layer: its units' broadcasts
+    typename Comm::group_type sums_group_{};  // a duplicate of the communicator, for the sums in flight
   };
 };
 

@@ -92,6 +92,9 @@ class MpiComm {
   std::size_t max_message_bytes() const { return state_->max_message; }
   /// MPI calls made by sums and broadcasts so far (pieces counted one by one).
   std::size_t messages() const { return state_->messages; }
+  /// Nonblocking collectives started so far (start_sum, start_broadcast, start_all_gather;
+  /// each call once, whatever its pieces).
+  std::size_t nonblocking_started() const { return state_->started; }
   /// True on every rank when every rank passed the same string (one collective, a hash).
   bool all_equal(const std::string& s) const {
     const std::uint64_t h = impl::fnv1a(s);
@@ -213,6 +216,176 @@ class MpiComm {
     state_->bytes += sent.first;
     state_->messages += sent.second;
   }
+  /// \brief Nonblocking collectives started by start_broadcast(), start_all_gather() and
+  /// start_sum(): their MPI requests (move-only). test() advances them, wait() completes them;
+  /// the buffers they were started on must stay untouched until then. A sum to every rank is
+  /// a reduce to rank 0 and then a broadcast from it (the bits of sum()): its broadcast is
+  /// started by the first test() or wait() that finds the reduce complete, so sums started on
+  /// one group must be advanced in the order they were started (every rank starts the
+  /// broadcasts in the same order: kfac::Kaisa does).
+  class Request {
+   public:
+    Request() = default;
+    Request(Request&& o) noexcept { take(o); }
+    Request& operator=(Request&& o) noexcept {
+      if (this != &o) take(o);
+      return *this;
+    }
+    Request(const Request&) = delete;
+    Request& operator=(const Request&) = delete;
+    /// Completes the request at once if it is not yet complete (MPI_Waitall): a request must
+    /// never be left behind, or the next collective on its group would not match.
+    ~Request() { if (!requests_.empty() || pending_bcast_) wait(); }
+    /// True when everything is complete; starts a sum's broadcast once its reduce is complete
+    /// (`may_start`: false keeps it back, for the ordering above).
+    bool test(bool may_start = true) {
+      int done = 1;
+      if (!requests_.empty())
+        check(MPI_Testall(int(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+      if (!done) return false;
+      requests_.clear();
+      if (pending_bcast_ && may_start) start_pending();
+      return requests_.empty() && !pending_bcast_;
+    }
+    /// True while a sum to every rank has not started its broadcast.
+    bool holds_back() const { return pending_bcast_; }
+    void wait() {
+      for (;;) {
+        if (!requests_.empty())
+          check(MPI_Waitall(int(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+        requests_.clear();
+        if (!pending_bcast_) return;
+        start_pending();
+      }
+    }
+
+   private:
+    friend class MpiComm;
+    void start_pending() {
+      pending_bcast_ = false;
+      auto* p = static_cast<char*>(data_);
+      for (std::size_t first = 0; first < count_; first += per_) {
+        const int n = int(std::min(per_, count_ - first));
+        requests_.emplace_back();
+        check(MPI_Ibcast(p + first * size_, n, type_, 0, comm_, &requests_.back()), "MPI_Ibcast");
+      }
+    }
+    void take(Request& o) noexcept {
+      requests_ = std::move(o.requests_);
+      counts_ = std::move(o.counts_);
+      offsets_ = std::move(o.offsets_);
+      pending_bcast_ = o.pending_bcast_;
+      data_ = o.data_;
+      count_ = o.count_;
+      size_ = o.size_;
+      per_ = o.per_;
+      type_ = o.type_;
+      comm_ = o.comm_;
+      o.requests_.clear();
+      o.pending_bcast_ = false;
+    }
+    std::vector<MPI_Request> requests_;
+    std::vector<int> counts_, offsets_;  ///< MPI_Iallgatherv reads them until it completes
+    bool pending_bcast_ = false;  ///< a sum to every rank: the broadcast is still to start
+    void* data_ = nullptr;
+    std::size_t count_ = 0, size_ = 0, per_ = 1;
+    MPI_Datatype type_ = MPI_BYTE;
+    MPI_Comm comm_ = MPI_COMM_NULL;
+  };
+  using request_type = Request;
+
+  /// Collective: a duplicate of the whole communicator (for nonblocking sums that must not
+  /// interleave with the blocking collectives made meanwhile).
+  Group duplicate() const {
+    MPI_Comm c;
+    check(MPI_Comm_dup(state_->comm, &c), "MPI_Comm_dup");
+    return Group(c);
+  }
+  /// The nonblocking form of broadcast(): the same pieces, bytes and message counts.
+  Request start_broadcast(void* data, std::size_t bytes, int root_index, const Group& group) const {
+    Request r;
+    ++state_->started;
+    int gsize = 1, grank = 0;
+    MPI_Comm_size(group.comm(), &gsize);
+    if (gsize == 1 || bytes == 0) return r;
+    MPI_Comm_rank(group.comm(), &grank);
+    if (grank == root_index) state_->bytes += bytes;
+    auto* p = static_cast<char*>(data);
+    for (std::size_t off = 0; off < bytes; off += state_->max_message) {
+      ++state_->messages;
+      r.requests_.emplace_back();
+      check(MPI_Ibcast(p + off, int(std::min(state_->max_message, bytes - off)), MPI_BYTE, root_index, group.comm(),
+                       &r.requests_.back()),
+            "MPI_Ibcast");
+    }
+    return r;
+  }
+  /// The nonblocking form of all_gather() (MPI_Iallgatherv; one broadcast per member, in
+  /// pieces, beyond max_message_bytes): the same bytes and message counts.
+  Request start_all_gather(void* data, const std::vector<std::size_t>& bytes, const Group& group) const {
+    Request r;
+    ++state_->started;
+    const GatherPlan g = plan_gather(bytes, group);
+    auto* p = static_cast<char*>(data);
+    if (g.members == 1) return r;
+    if (g.in_pieces) {
+      std::size_t off = 0;
+      for (int k = 0; k < g.members; off += bytes[std::size_t(k)], ++k) {
+        Request piece = start_broadcast(p + off, bytes[std::size_t(k)], k, group);
+        for (auto& q : piece.requests_) r.requests_.push_back(q);
+        piece.requests_.clear();
+      }
+      return r;
+    }
+    r.counts_ = g.counts;
+    r.offsets_ = g.offsets;
+    count_gather(bytes, g);
+    r.requests_.emplace_back();
+    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, r.counts_.data(), r.offsets_.data(), MPI_BYTE,
+                          group.comm(), &r.requests_.back()),
+          "MPI_Iallgatherv");
+    return r;
+  }
+  /// \brief The nonblocking form of sum() for a payload already in its travelling type
+  /// (`scalar_size` bytes of the factor's own type when native, else float32 floats or
+  /// bfloat16 bits), on `group` (a duplicate()): the same reduce to rank 0 (or to `root`) and
+  /// broadcast, in the same pieces, so the same bits, bytes and message counts.
+  Request start_sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload, int root,
+                    const Group& group) const {
+    Request r;
+    ++state_->started;
+    if (count == 0 || size() == 1) return r;
+    const bool native = impl::payload_is_native(payload, scalar_size);
+    const std::size_t sz = native ? scalar_size : impl::payload_size(payload, scalar_size);
+    const MPI_Datatype t = payload == CommPrecision::bfloat16 ? MPI_UINT16_T : sz == 8 ? MPI_DOUBLE : MPI_FLOAT;
+    const MPI_Op op = payload == CommPrecision::bfloat16 ? state_->bf16_op : MPI_SUM;
+    const bool everyone = root < 0;
+    const int to = everyone ? 0 : root;
+    state_->bytes += (everyone ? 2 : 1) * count * sz;
+    const std::size_t per = std::max<std::size_t>(1, state_->max_message / sz);
+    auto* p = static_cast<char*>(data);
+    for (std::size_t first = 0; first < count; first += per) {
+      const int n = int(std::min(per, count - first));
+      void* at = p + first * sz;
+      state_->messages += everyone ? 2 : 1;
+      r.requests_.emplace_back();
+      if (rank() == to)
+        check(MPI_Ireduce(MPI_IN_PLACE, at, n, t, op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
+      else
+        check(MPI_Ireduce(at, nullptr, n, t, op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
+    }
+    if (everyone) {
+      r.pending_bcast_ = true;
+      r.data_ = data;
+      r.count_ = count;
+      r.size_ = sz;
+      r.per_ = per;
+      r.type_ = t;
+      r.comm_ = group.comm();
+    }
+    return r;
+  }
+
   /// Broadcasts raw bytes from group rank `root_index` within `group`.
   void broadcast(void* data, std::size_t bytes, int root_index, const Group& group) const {
     bcast(data, bytes, root_index, group.comm());
@@ -226,31 +399,19 @@ class MpiComm {
   /// (one MPI_Allgatherv; one broadcast per member, in pieces, when the whole exceeds
   /// max_message_bytes). bytes_sent() counts this rank's own part.
   void all_gather(void* data, const std::vector<std::size_t>& bytes, const Group& group) const {
-    int gsize = 1, grank = 0;
-    MPI_Comm_size(group.comm(), &gsize);
-    if (gsize == 1) return;
-    if (bytes.size() != std::size_t(gsize))
-      throw Error("", "MpiComm::all_gather: expected " + std::to_string(gsize) + " counts, one per group member, got " +
-                          std::to_string(bytes.size()));
-    MPI_Comm_rank(group.comm(), &grank);
-    std::size_t total = 0;
-    for (std::size_t b : bytes) total += b;
+    GatherPlan g = plan_gather(bytes, group);
     auto* p = static_cast<char*>(data);
-    if (total > state_->max_message) {
+    if (g.members == 1) return;
+    if (g.in_pieces) {
       std::size_t off = 0;
-      for (int k = 0; k < gsize; off += bytes[std::size_t(k)], ++k) bcast(p + off, bytes[std::size_t(k)], k, group.comm());
+      for (int k = 0; k < g.members; off += bytes[std::size_t(k)], ++k) bcast(p + off, bytes[std::size_t(k)], k, group.comm());
       return;
     }
-    std::vector<int> counts(bytes.size()), offsets(bytes.size());
-    for (std::size_t k = 0, off = 0; k < bytes.size(); off += bytes[k], ++k) {
-      counts[k] = int(bytes[k]);
-      offsets[k] = int(off);
-    }
-    state_->bytes += bytes[std::size_t(grank)];
-    ++state_->messages;
-    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, counts.data(), offsets.data(), MPI_BYTE, group.comm()),
+    count_gather(bytes, g);
+    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, g.counts.data(), g.offsets.data(), MPI_BYTE, group.comm()),
           "MPI_Allgatherv");
   }
+
 
  private:
   struct State {
@@ -279,9 +440,37 @@ class MpiComm {
     MPI_Op bf16_op = MPI_OP_NULL;
     int rank = 0, size = 1;
     bool multiple = false;
-    std::size_t bytes = 0, messages = 0;
+    std::size_t bytes = 0, messages = 0, started = 0;
     std::size_t max_message = std::size_t(1) << 30;
   };
+  /// How all_gather() and start_all_gather() move `bytes` within `group`.
+  struct GatherPlan {
+    int members = 1, rank = 0;
+    bool in_pieces = false;  ///< one broadcast per member, in pieces (beyond max_message_bytes)
+    std::vector<int> counts, offsets;
+  };
+  GatherPlan plan_gather(const std::vector<std::size_t>& bytes, const Group& group) const {
+    GatherPlan g;
+    MPI_Comm_size(group.comm(), &g.members);
+    if (g.members == 1) return g;
+    if (bytes.size() != std::size_t(g.members))
+      throw Error("", "MpiComm::all_gather: expected " + std::to_string(g.members) + " counts, one per group member, got " +
+                          std::to_string(bytes.size()));
+    MPI_Comm_rank(group.comm(), &g.rank);
+    std::size_t total = 0;
+    for (std::size_t b : bytes) total += b;
+    g.in_pieces = total > state_->max_message;
+    for (std::size_t k = 0, off = 0; !g.in_pieces && k < bytes.size(); off += bytes[k], ++k) {
+      g.counts.push_back(int(bytes[k]));
+      g.offsets.push_back(int(off));
+    }
+    return g;
+  }
+  /// bytes_sent() counts this rank's own part of a gather, messages() one call.
+  void count_gather(const std::vector<std::size_t>& bytes, const GatherPlan& g) const {
+    state_->bytes += bytes[std::size_t(g.rank)];
+    ++state_->messages;
+  }
   static void check(int rc, const char* what) {
     if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
   }
