@@ -2,6 +2,8 @@
 // real single-process Preconditioner. Bytes against MpiComm::bytes_sent() at 1-4 ranks are in
 // test_mpi_cost_model.cpp.
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <kfac/planning/calibration.hpp>
 #include <kfac/planning/cost_model.hpp>
 #include <kfac/kfac.hpp>
 
@@ -374,7 +376,8 @@ TEST_CASE("factor computation: a syrk per factor over this rank's share of the r
     const auto o = kfac::Options{}.with_factor_update_steps(2L).with_inv_update_steps(10L);
     const auto p = m.predict(2, o), q = plain.predict(2, o);
     CHECK(p.step_seconds() == Approx((p.factor_compute_seconds + p.factor_comm_seconds) / 2 +
-                                     p.decomposition_phase_seconds / 10 + p.preconditioning_phase_seconds));
+                                     p.decomposition_phase_seconds / 10 + p.preconditioning_phase_seconds +
+                                     p.gradient_pass_seconds));
     CHECK(p.step_seconds() - q.step_seconds() == Approx(p.factor_compute_seconds / 2));
     CHECK(p.decomposition_phase_seconds == q.decomposition_phase_seconds);
   }
@@ -397,6 +400,47 @@ TEST_CASE("factor computation: a syrk per factor over this rank's share of the r
     CHECK(p.factor_compute_seconds == Approx(128 * (per_row / flops + 2 * 8 * values / bw)));
   }
   CHECK_THROWS_WITH(kfac::LayerShape::of("fc", kfac::Dense(5, 4)).with_observation_rows(-1), Catch::Contains("fc"));
+}
+
+TEST_CASE("gradient passes: every rank loads, clips and writes back every layer's whole gradient", "[cost_model][time]") {
+  // 6 passes over g x a values with KL clipping (load: read + write; inner product: 2 reads;
+  // write-back: read + write), 4 without, in the decomposition's scalar, on every rank at every
+  // world size and strategy; skipped layers and closed forms (BatchNorm) add nothing.
+  const double bw = 1e10;
+  const auto figures = kfac::MachineFigures{}.with_memory_bandwidth(bw);
+  auto net = mlp();
+  net.push_back(kfac::LayerShape::of("bn", kfac::BatchNorm2d(64)));
+  const double values = 1024.0 * 785 + 1024.0 * 1025 + 10.0 * 1025;
+  const kfac::CostModel m(net, figures);
+  for (int world : {1, 2, 4})
+    for (double f : {1.0, 1.0 / world}) {
+      CHECK(m.predict(world, kfac::Options{}.with_grad_worker_fraction(f)).gradient_pass_seconds ==
+            Approx(6 * values * 8 / bw));
+      CHECK(m.predict(world, kfac::Options{}.with_grad_worker_fraction(f).with_kl_clip(0.0)).gradient_pass_seconds ==
+            Approx(4 * values * 8 / bw));
+    }
+  const auto p = m.predict(2, kfac::Options{}.with_skip_layers({"fc2"}));
+  CHECK(p.gradient_pass_seconds == Approx(6 * (values - 1024.0 * 1025) * 8 / bw));
+  const auto single = kfac::CostModel({kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::Precision<float>>(
+                                          "fc", kfac::Dense(784, 256))},
+                                      figures)
+                          .predict(1, kfac::Options{});
+  CHECK(single.gradient_pass_seconds == Approx(6 * 256.0 * 785 * 4 / bw));
+  CHECK(single.step_seconds() == Approx(single.decomposition_phase_seconds / double(single.inv_interval) +
+                                        single.preconditioning_phase_seconds + single.gradient_pass_seconds));
+}
+
+TEST_CASE("measure_machine_figures times the library's own calls", "[cost_model][calibration]") {
+  // One process: compute and memory figures measured (positive, finite, plausible against a
+  // timed GEMM of another size), communication figures left at their defaults.
+  const auto f = kfac::measure_machine_figures(Host(), kfac::SerialComm(), 128, 2);
+  for (double v : {f.eigen_seconds_per_n3, f.cholesky_seconds_per_n3, f.gemm_flops, f.float_speedup, f.memory_bandwidth}) {
+    CHECK(std::isfinite(v));
+    CHECK(v > 0);
+  }
+  CHECK(f.latency == kfac::MachineFigures{}.latency);
+  CHECK(f.bandwidth == kfac::MachineFigures{}.bandwidth);
+  CHECK_THROWS_WITH(kfac::measure_machine_figures(Host(), kfac::SerialComm(), 8), Catch::Contains("n >= 64"));
 }
 
 TEST_CASE("bad inputs raise kfac::Error", "[cost_model][errors]") {

@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 #include <kfac/distributed/mpi_comm.hpp>
+#include <kfac/planning/calibration.hpp>
+#include <cstring>
 
 #include "cost_model_net.hpp"
 
@@ -96,5 +98,24 @@ TEST_CASE("cost model bytes, memory and assignment equal a distributed run", "[m
     SECTION("HYBRID 0.5, worker groups of consecutive ranks") {
       check(options(0.5).with_group_layout(kfac::GroupLayout::contiguous_workers).with_colocate_factors(false));
     }
+  }
+}
+
+TEST_CASE("measured machine figures are the same on every rank", "[mpi][cost_model][calibration]") {
+  // Averaged by a reduce and broadcast: every rank predicts with the same bits. With several
+  // ranks the broadcasts set latency and bandwidth (no longer the defaults).
+  const auto f = kfac::measure_machine_figures(Host(), kfac::MpiComm(MPI_COMM_WORLD), 128, 2);
+  const double mine[7] = {f.eigen_seconds_per_n3, f.cholesky_seconds_per_n3, f.gemm_flops, f.float_speedup,
+                          f.memory_bandwidth, f.latency, f.bandwidth};
+  double root[7];
+  std::memcpy(root, mine, sizeof mine);
+  MPI_Bcast(root, 7, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  int same = std::memcmp(root, mine, sizeof mine) == 0, all = 0;
+  MPI_Allreduce(&same, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  CHECK(all == 1);
+  for (double v : mine) CHECK(v > 0);
+  if (world_size() > 1) {
+    CHECK(f.latency != kfac::MachineFigures{}.latency);
+    CHECK(f.bandwidth != kfac::MachineFigures{}.bandwidth);
   }
 }

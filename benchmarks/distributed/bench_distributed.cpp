@@ -38,7 +38,7 @@
 /// Usage: mpiexec -n N bench_distributed [--model mlp|resnet|small|all] [--strategies comm,hybrid,mem]
 ///          (each also as comm+own, hybrid+own, mem+own: with Options::reduce_to_owner)
 ///          [--reps 5] [--warmup 6] [--batch 256] [--conv-batch 16] [--shards 1]
-///          [--schedule-inv 10] [--schedule-reps 3]
+///          [--schedule-inv 10] [--schedule-reps 3] [--overlap 1|0 (Options::overlap_communication)]
 ///          [--figures measured|defaults] [--csv FILE] [--calibrate]
 ///          [--resnet50-table [--bandwidth B] [--latency L] [--eigen-seconds-per-n3 S] [--gemm-flops F]]
 /// Exit status: 0, or 1 when measured bytes or memory differ from the model (they are exact
@@ -58,6 +58,7 @@
 #include <fstream>
 #include <memory>
 #include <kfac/distributed/mpi_comm.hpp>
+#include <kfac/planning/calibration.hpp>
 #include <kfac/planning/cost_model.hpp>
 #include <kfac/kfac.hpp>
 #include <random>
@@ -96,11 +97,6 @@ double max_over_ranks(double v) {
   double r = 0;
   MPI_Allreduce(&v, &r, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return r;
-}
-double mean_over_ranks(double v) {
-  double r = 0;
-  MPI_Allreduce(&v, &r, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  return r / g_size;
 }
 std::vector<double> gather(double v) {
   std::vector<double> all(std::size_t(g_size), 0.0);
@@ -348,72 +344,11 @@ std::string clock_time() {
 }
 
 // ---------------------------------------------------------------- calibration
-/// Measures the machine figures on every rank at once (so they include the contention between
-/// ranks) and averages them over ranks. Ping-pong between ranks 0 and 1.
+/// The machine figures, measured on every rank at once by kfac::measure_machine_figures (the
+/// calls kfac makes; broadcasts from rank 0 for latency and bandwidth), the same on every rank.
 kfac::MachineFigures calibrate(bool print) {
-  kfac::MachineFigures f;
-  const int n = 1024, m = 2 * n;
-  std::mt19937_64 rng(7 + g_rank);
-  std::uniform_real_distribution<double> u(-1.0, 1.0);
-  std::vector<double> r(std::size_t(m) * n), spd(std::size_t(n) * n), a(spd.size()), w(n), c(spd.size());
-  for (auto& v : r) v = u(rng);
-  cblas_dsyrk(CblasColMajor, CblasUpper, CblasTrans, n, m, 1.0 / m, r.data(), m, 0.0, spd.data(), n);
-  std::vector<double> te, tc, tg;
-  MPI_Barrier(MPI_COMM_WORLD);
-  for (int rep = 0; rep < 3; ++rep) {
-    a = spd;
-    auto t0 = Clock::now();
-    LAPACKE_dsyevd(LAPACK_COL_MAJOR, 'V', 'U', n, a.data(), n, w.data());
-    te.push_back(seconds_since(t0));
-    a = spd;
-    t0 = Clock::now();
-    LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', n, a.data(), n);
-    LAPACKE_dpotri(LAPACK_COL_MAJOR, 'U', n, a.data(), n);
-    tc.push_back(seconds_since(t0));
-    t0 = Clock::now();
-    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0, spd.data(), n, r.data(), n, 0.0, c.data(), n);
-    tg.push_back(seconds_since(t0));
-  }
-  const double n3 = double(n) * n * n;
-  f.eigen_seconds_per_n3 = mean_over_ranks(median(te)) / n3;
-  f.cholesky_seconds_per_n3 = mean_over_ranks(median(tc)) / n3;
-  f.gemm_flops = mean_over_ranks(2.0 * n3 / median(tg));
-  {  // a streaming copy of 32 MiB: bytes read + written per second
-    std::vector<double> from(std::size_t(4) << 20, 1.0), to(from.size());
-    std::vector<double> tm;
-    MPI_Barrier(MPI_COMM_WORLD);
-    for (int rep = 0; rep < 5; ++rep) {
-      const auto t0 = Clock::now();
-      std::memcpy(to.data(), from.data(), from.size() * sizeof(double));
-      tm.push_back(seconds_since(t0));
-      from[std::size_t(rep)] = to[std::size_t(rep) + 1];  // keep the copy observable
-    }
-    f.memory_bandwidth = mean_over_ranks(2.0 * double(from.size() * sizeof(double)) / median(tm));
-  }
-  if (g_size > 1) {
-    std::vector<char> buf(std::size_t(8) << 20);
-    auto pingpong = [&](std::size_t bytes, int reps) {
-      std::vector<double> t;
-      for (int i = 0; i < reps; ++i) {
-        MPI_Barrier(MPI_COMM_WORLD);
-        const auto t0 = Clock::now();
-        if (g_rank == 0) {
-          MPI_Send(buf.data(), int(bytes), MPI_BYTE, 1, 0, MPI_COMM_WORLD);
-          MPI_Recv(buf.data(), int(bytes), MPI_BYTE, 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-        } else if (g_rank == 1) {
-          MPI_Recv(buf.data(), int(bytes), MPI_BYTE, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-          MPI_Send(buf.data(), int(bytes), MPI_BYTE, 0, 0, MPI_COMM_WORLD);
-        }
-        t.push_back(seconds_since(t0) / 2);
-      }
-      double v = median(t);
-      MPI_Bcast(&v, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-      return v;
-    };
-    f.latency = pingpong(8, 200);
-    const double big = pingpong(buf.size(), 20);
-    f.bandwidth = double(buf.size()) / std::max(big - f.latency, 1e-9);
-  }
+  const int n = 1024;
+  const kfac::MachineFigures f = kfac::measure_machine_figures(Host(), kfac::MpiComm(MPI_COMM_WORLD), n);
   if (print && g_rank == 0)
     std::printf("figures (measured, %d rank(s) at once, n = %d): eigen %.3g s/n^3, cholesky %.3g s/n^3, "
                 "dgemm %.3g flop/s, latency %.3g s, bandwidth %.3g B/s, memory %.3g B/s\n",
@@ -436,6 +371,7 @@ struct Config {
   std::vector<std::string> strategies{"comm", "hybrid", "mem"};
   int reps = 5, warmup = 6, batch = 256, conv_batch = 16, shards = 1;
   int schedule_inv = 10, schedule_reps = 3;  ///< the training-schedule measurement (0 windows: off)
+  bool overlap = true;  ///< Options::overlap_communication of every run
   bool measured_figures = true, calibrate_only = false, resnet50_table = false;
   double bandwidth = 0, latency = 0, eigen = 0, gemm = 0;
   std::string csv;
@@ -478,6 +414,7 @@ kfac::Options schedule_options(const Config& c, const Strategy& st) {
       .with_loss_reduction(kfac::LossReduction::sum)
       .with_grad_worker_fraction(st.fraction)
       .with_reduce_to_owner(st.to_owner)
+      .with_overlap_communication(c.overlap)
       .with_factor_update_steps(1L)
       .with_inv_update_steps(long(c.schedule_inv));
 }
@@ -516,7 +453,8 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
             std::FILE* csv) {
   const std::string started = clock_time();
   kfac::MpiComm comm(MPI_COMM_WORLD);
-  const kfac::Options opts = bench_options(st.fraction, c.warmup).with_reduce_to_owner(st.to_owner);
+  const kfac::Options opts =
+      bench_options(st.fraction, c.warmup).with_reduce_to_owner(st.to_owner).with_overlap_communication(c.overlap);
   Pre pre(opts, Host(), comm);
   for (const auto& s : m.layers) s.visit([&](const auto& layer) { pre.register_layer(s.name, layer); });
   Data d(m, unsigned(g_rank * c.shards), unsigned(c.shards));
@@ -749,6 +687,7 @@ bool parse(int argc, char** argv, Config& c) {
     else if (a == "--shards") c.shards = std::stoi(value());
     else if (a == "--schedule-inv") c.schedule_inv = std::stoi(value());
     else if (a == "--schedule-reps") c.schedule_reps = std::stoi(value());
+    else if (a == "--overlap") c.overlap = std::stoi(value()) != 0;
     else if (a == "--figures") c.measured_figures = value() == "measured";
     else if (a == "--csv") c.csv = value();
     else if (a == "--calibrate") c.calibrate_only = true;
@@ -780,7 +719,7 @@ int main(int argc, char* argv[]) {
     if (g_rank == 0)
       std::fprintf(stderr, "usage: mpiexec -n N bench_distributed [--model mlp|resnet|small|all] [--strategies comm,hybrid,mem] "
                            "[--reps 5] [--warmup 6 (even, >= 4)] [--batch 256] [--conv-batch 16] [--shards 1] "
-                           "[--schedule-inv 10] [--schedule-reps 3 (0: no training-schedule run)] "
+                           "[--schedule-inv 10] [--schedule-reps 3 (0: no training-schedule run)] [--overlap 1|0] "
                            "[--figures measured|defaults] [--csv FILE] [--calibrate] [--resnet50-table "
                            "[--bandwidth B/s] [--latency s] [--eigen-seconds-per-n3 s] [--gemm-flops F]]\n");
     MPI_Finalize();

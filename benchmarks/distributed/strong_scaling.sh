@@ -11,6 +11,7 @@
 #   TRAIN_SUBSET [0 = all 60000], TEST_SUBSET [0 = all], TARGET [0.88 for mlp, 0.85 for cnn],
 #   OWNER [0 1] (reduce-to-owner settings tried), SPLIT [0 1] (split-preconditioning settings tried),
 #   OVERLAP [1] (--overlap-communication of every K-FAC run: 0 times the blocking collectives),
+#   FIGURES [measured] (--model-figures of every K-FAC run: the cost model's machine figures),
 #   OUT [a temporary folder], DATA [the demo's].
 # Runs with more ranks than cores are labelled "oversubscribed": their times are not scaling.
 set -euo pipefail
@@ -24,6 +25,7 @@ seed=${SEED:-1}
 owners=${OWNER:-0 1}
 splits=${SPLIT:-0 1}
 overlap=${OVERLAP:-1}
+figures=${FIGURES:-measured}
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 cores=$(nproc)
@@ -76,7 +78,7 @@ for model in $models; do
         for split in $here_split; do
           IFS='|' read -r se tt bs km mm < <(run "$np" "$out/$model-np$np-$strategy-own$own-split$split" --model "$model" \
             --optimizer kfac --strategy "$strategy" --reduce-to-owner "$own" --split-preconditioning "$split" \
-            --overlap-communication "$overlap" --target-acc "$target")
+            --overlap-communication "$overlap" --model-figures "$figures" --target-acc "$target")
           echo "| $model | $label | K-FAC | $strategy | $own | $split | $se | $tt | $bs | $km | $mm |"
         done
       done

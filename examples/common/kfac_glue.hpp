@@ -19,6 +19,7 @@
 #if !defined(KFAC_EXAMPLES_WITHOUT_KFAC) && __has_include(<kfac/kfac.hpp>)
 #define KFAC_EXAMPLES_HAVE_KFAC 1
 #include <kfac/kfac.hpp>
+#include <kfac/planning/calibration.hpp>
 #include <kfac/planning/cost_model.hpp>
 #if KFAC_EXAMPLES_HAVE_MPI
 #include <kfac/distributed/mpi_comm.hpp>
@@ -35,6 +36,34 @@ struct KfacStepCost {
   double step_s = 0, factors_s = 0, averaging_s = 0, decomposition_s = 0, preconditioning_s = 0;
   long factor_interval = 1, inv_interval = 1;
 };
+
+#if KFAC_EXAMPLES_HAVE_KFAC
+/// \brief The machine figures the examples' cost-model line predicts with.
+struct ModelFigures {
+  kfac::MachineFigures machine;  ///< kfac::MachineFigures' defaults unless measured
+  bool measured = false;
+};
+/// \brief Collective over `world`: kfac::measure_machine_figures on every rank at once (about
+/// a second and a half), with the BLAS threads already set.
+inline ModelFigures measure_model_figures(const World& world) {
+  ModelFigures f;
+  f.measured = true;
+#if KFAC_EXAMPLES_HAVE_MPI
+  if (world.size() > 1) {
+    f.machine = kfac::measure_machine_figures(ExecSpace(), kfac::MpiComm(world.comm()));
+    return f;
+  }
+#endif
+  (void)world;
+  f.machine = kfac::measure_machine_figures(ExecSpace(), kfac::SerialComm());
+  return f;
+}
+#else
+struct ModelFigures {
+  bool measured = false;
+};
+inline ModelFigures measure_model_figures(const World&) { return {}; }
+#endif
 
 /// | type | name | description | default |
 /// |---|---|---|---|
@@ -162,11 +191,10 @@ class KfacSgd {
   /// \brief Seconds spent in kfac (observe_*, set_gradient and step()) on this rank so far.
   double kfac_seconds() const { return kfac_seconds_; }
 
-  /// \brief kfac::CostModel's prediction (kfac::MachineFigures' defaults) for this network,
-  /// these options and `world` ranks, with the observation rows of the last step's batch on
-  /// this rank (times `world`: the global batch): what kfac_seconds() should come to per step.
-  /// Call it after a step.
-  KfacStepCost predicted(Network& net, int world) const {
+  /// \brief kfac::CostModel's prediction with `figures` for this network, these options and
+  /// `world` ranks, with the observation rows of the last step's batch on this rank (times
+  /// `world`: the global batch): what kfac_seconds() should come to per step. Call it after a step.
+  KfacStepCost predicted(Network& net, int world, const ModelFigures& figures = {}) const {
     std::vector<kfac::LayerShape> shapes;
     auto kronecker = [&](const std::string& name, const auto& kfac_layer, long rows) {
       using K = std::decay_t<decltype(kfac_layer)>;
@@ -185,7 +213,7 @@ class KfacSgd {
         shapes.push_back(kfac::LayerShape::of<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels())));
       }
     });
-    const kfac::CostPrediction p = kfac::CostModel(shapes).predict(world, options_);
+    const kfac::CostPrediction p = kfac::CostModel(shapes, figures.machine).predict(world, options_);
     KfacStepCost c;
     c.step_s = p.step_seconds();
     c.factors_s = p.factor_compute_seconds;
@@ -311,7 +339,7 @@ class KfacSgd {
   }
   void step(Network&) {}
   double kfac_seconds() const { return 0.0; }
-  KfacStepCost predicted(Network&, int) const { return {}; }
+  KfacStepCost predicted(Network&, int, const ModelFigures& = {}) const { return {}; }
   double last_kl_scale() const { return 1.0; }
   std::size_t bytes_sent() const { return 0; }
 };

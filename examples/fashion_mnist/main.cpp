@@ -50,6 +50,8 @@ struct Args {
   bool append = false;
   std::vector<std::uint64_t> seeds{1, 2, 3};
   std::map<std::string, std::vector<double>> lrs;  ///< per optimizer; empty: its default
+  std::string model_figures = "measured";  ///< the cost-model line's machine figures: measured | defaults
+  nn::ModelFigures figures;                ///< what run() measured (or the defaults)
 };
 
 void usage() {
@@ -76,6 +78,9 @@ void usage() {
       "                                  by rows, then all-gather them (default 0)\n"
       "  --overlap-communication 0|1     under mpiexec: K-FAC's collectives as nonblocking ones overlapped with its\n"
       "                                  preconditioning (default 1; 0: blocking, the same bits)\n"
+      "  --model-figures measured|defaults   machine figures of the K-FAC cost-model line: measured at start-up\n"
+      "                                  by kfac::measure_machine_figures (about 1.5 s), or kfac::MachineFigures'\n"
+      "                                  defaults (default measured)\n"
       "  --decomposition-delay D         K-FAC decompositions used D steps after they fall due, computed meanwhile\n"
       "                                  (on a second thread on the Serial backend); 0 = at once (default 0)\n"
       "  --eigen-refresh T               eigen: refresh eigenvalues in the kept eigenbasis while the factor is\n"
@@ -179,6 +184,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
     else if (key == "--split-preconditioning") num(a.train.kfac.split_preconditioning);
     else if (key == "--overlap-communication") num(a.train.kfac.overlap_communication);
+    else if (key == "--model-figures") a.model_figures = value;
     else if (key == "--decomposition-delay") num(a.train.kfac.decomposition_delay);
     else if (key == "--eigen-refresh") num(a.train.kfac.eigen_refresh);
     else if (key == "--seed" || key == "--seeds") {
@@ -358,12 +364,12 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
   run.total_s = seconds_since(start);
   if (const nn::KfacSgd* kfac = trainer.kfac(); kfac && lead && step > 0) {
     // kfac's share of the step beside the cost model's prediction (issue 16's "within 20 %")
-    const nn::KfacStepCost c = kfac->predicted(trainer.network(), world.size());
+    const nn::KfacStepCost c = kfac->predicted(trainer.network(), world.size(), args.figures);
     const double measured = kfac->kfac_seconds() / double(step);
-    std::printf("[%s] kfac per step: %.2f ms measured on rank 0 (observe + step()), cost model %.2f ms "
+    std::printf("[%s] kfac per step: %.2f ms measured on rank 0 (observe + step()), cost model %.2f ms with %s figures "
                 "(factors %.2f + averaging %.2f every %ld, decompositions %.2f every %ld, preconditioning %.2f): "
                 "model/measured %.2f\n",
-                name.c_str(), 1e3 * measured, 1e3 * c.step_s, 1e3 * c.factors_s, 1e3 * c.averaging_s, c.factor_interval,
+                name.c_str(), 1e3 * measured, 1e3 * c.step_s, args.figures.measured ? "measured" : "default", 1e3 * c.factors_s, 1e3 * c.averaging_s, c.factor_interval,
                 1e3 * c.decomposition_s, c.inv_interval, 1e3 * c.preconditioning_s, c.step_s / measured);
   }
   if (lead && world.size() > 1) {
@@ -384,6 +390,8 @@ int run(const Args& args, const nn::World& world) {
     else if (lead) std::printf("note: --threads ignored (the BLAS in use is not OpenBLAS)\n");
   }
   const std::vector<nn::OptimizerKind> kinds = optimizers(args.optimizer, lead);
+  if (args.model_figures != "measured" && args.model_figures != "defaults")
+    throw std::invalid_argument("--model-figures: expected measured or defaults");
   if (lead) mkdir(args.out.c_str(), 0777);  // an existing directory is fine; CsvLog reports real failures
 
   const nn::Dataset train = nn::load_fashion_mnist(args.data, "train", args.train_subset);
@@ -404,6 +412,19 @@ int run(const Args& args, const nn::World& world) {
     }
   }
 
+  Args with_figures = args;
+  if (args.model_figures == "measured" && std::find(kinds.begin(), kinds.end(), nn::OptimizerKind::kfac) != kinds.end()) {
+    with_figures.figures = nn::measure_model_figures(world);  // collective
+#if KFAC_EXAMPLES_HAVE_KFAC
+    const kfac::MachineFigures& f = with_figures.figures.machine;
+    if (lead)
+      std::printf("cost-model figures measured on %d rank(s) at once: dgemm %.3g flop/s (float %.2fx), eigen %.3g s/n^3, "
+                  "cholesky %.3g s/n^3, memory %.3g B/s, latency %.3g s, bandwidth %.3g B/s\n",
+                  world.size(), f.gemm_flops, f.float_speedup, f.eigen_seconds_per_n3, f.cholesky_seconds_per_n3,
+                  f.memory_bandwidth, f.latency, f.bandwidth);
+#endif
+  }
+
   std::unique_ptr<demo::CsvLog> log;
   if (lead) log = std::make_unique<demo::CsvLog>(args.out + "/log.csv", args.append);
   std::vector<demo::RunSummary> runs;
@@ -414,7 +435,7 @@ int run(const Args& args, const nn::World& world) {
         s.optimizer = k;
         s.lr = lr;
         s.seed = seed;
-        runs.push_back(train_one(args, s, world, train, test, log.get()));
+        runs.push_back(train_one(with_figures, s, world, train, test, log.get()));
       }
   if (!lead) return 0;
 

@@ -251,6 +251,15 @@ struct MachineFigures {
     const double scale = layer.decomposition_scalar == 4 ? 1.0 / float_speedup : 1.0;
     return scale * gemms * 2.0 * g * a * (g + a) / gemm_flops;
   }
+  /// Seconds of the element-wise passes over `layer`'s g x a gradient that every rank makes at
+  /// every step, whatever the strategy: loading it (read, write), writing the preconditioned
+  /// gradient back (read, write) and, with KL clipping, the inner product (two reads), at
+  /// memory_bandwidth in the decomposition's scalar. Closed forms (BatchNorm) are not modelled.
+  double gradient_pass_seconds(const LayerShape& layer, bool kl_clip) const {
+    if (!layer.kronecker) return 0.0;
+    const double values = double(layer.g_dim) * double(layer.a_dim);
+    return (kl_clip ? 6.0 : 4.0) * values * double(layer.decomposition_scalar) / memory_bandwidth;
+  }
   /// Seconds of one broadcast (or one reduce) of `bytes` among `ranks` ranks.
   double collective_seconds(std::size_t bytes, int ranks) const {
     if (ranks <= 1) return 0.0;
@@ -330,14 +339,19 @@ struct CostPrediction {
   /// Wall time of the preconditioning phase of one step: GEMMs plus, with f < 1, the
   /// preconditioned-gradient broadcasts to receiver groups, in layer order.
   double preconditioning_phase_seconds = 0;
+  /// Per step on every rank: the element-wise passes over every layer's gradient (load,
+  /// KL-clip inner product, write-back; MachineFigures::gradient_pass_seconds), which no
+  /// strategy divides.
+  double gradient_pass_seconds = 0;
   /// Factor and decomposition intervals at step 0 of the options the prediction was made for.
   long factor_interval = 1, inv_interval = 1;
 
   /// Mean modelled seconds per step: factor computation (where the layers give observation
-  /// rows) and averaging per factor update, decompositions, preconditioning.
+  /// rows) and averaging per factor update, decompositions, preconditioning and the gradient
+  /// passes.
   double step_seconds() const {
     return (factor_compute_seconds + factor_comm_seconds) / double(factor_interval) +
-           decomposition_phase_seconds / double(inv_interval) + preconditioning_phase_seconds;
+           decomposition_phase_seconds / double(inv_interval) + preconditioning_phase_seconds + gradient_pass_seconds;
   }
   std::size_t max_memory_bytes() const {
     return std::size_t(max_of([](const RankCost& r) { return double(r.memory_bytes()); }));
@@ -505,6 +519,8 @@ class CostModel {
       }
     }
     p.preconditioning_phase_seconds = *std::max_element(clock.begin(), clock.end());
+    for (std::size_t l = 0; l < n; ++l)
+      if (!skip[l]) p.gradient_pass_seconds += machine_.gradient_pass_seconds(layers_[l], v.kl_clip > 0);
     return p;
   }
 
