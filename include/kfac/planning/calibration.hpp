@@ -60,7 +60,8 @@ MachineFigures measure_machine_figures(const Exec& exec, const Comm& comm, int n
   const int rows = 2 * n;
   Kokkos::parallel_for(
       "kfac::calibration::fill", Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
-        for (int j = 0; j < n; ++j) r(i, j) = double((i * 7919 + j * 104729) % 2003) / 1001.0 - 1.0;
+        for (int j = 0; j < n; ++j)  // unsigned: no overflow for any n
+          r(i, j) = double((unsigned(i) * 7919u + unsigned(j) * 104729u) % 2003u) / 1001.0 - 1.0;
       });
   impl::gemm(exec, "T", "N", 1.0 / double(rows), r, r, 0.0, spd);
   impl::add_diagonal(exec, spd, 1.0);
