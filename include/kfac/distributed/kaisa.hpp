@@ -145,19 +145,7 @@ struct Kaisa {
     /// rounded back once, after the average; they are always summed to every rank.
     void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
       if (comm_.size() == 1) return;
-      std::vector<std::size_t> counts;
-      std::vector<std::size_t> sizes;
-      std::vector<int> owners;
-      for (const auto& f : all) {
-        counts.push_back(f.payload_count());
-        sizes.push_back(f.storage.scalar_size);
-        owners.push_back(f.owner);
-      }
-      for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
-        if (b.scalar_size == 2) sum_bucket<float, Half>(exec, all, b, o.comm_precision);
-        else if (b.scalar_size == 4) sum_bucket<float>(exec, all, b, o.comm_precision);
-        else sum_bucket<double>(exec, all, b, o.comm_precision);
-      }
+      for (const auto& b : buckets_of(all, o)) sum_bucket(exec, all, b, o.comm_precision);
     }
     /// \brief average() as nonblocking collectives (overlaps_sums(); else average() itself):
     /// the same buckets, payloads, reduce-to-0-and-broadcast and owners, so the same bits and
@@ -168,14 +156,7 @@ struct Kaisa {
     void start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
       if (!overlaps_sums()) return average(exec, all, o);
       if constexpr (impl::has_nonblocking<Comm>::value) {
-        std::vector<std::size_t> counts, sizes;
-        std::vector<int> owners;
-        for (const auto& f : all) {
-          counts.push_back(f.payload_count());
-          sizes.push_back(f.storage.scalar_size);
-          owners.push_back(f.owner);
-        }
-        flight_ = Flight{all, impl::factor_buckets(counts, sizes, owners, o.bucket_bytes), {}, {}, o.comm_precision};
+        flight_ = Flight{all, buckets_of(all, o), {}, {}, o.comm_precision};
         std::size_t total = 0;
         for (const auto& b : flight_.buckets) {  // each bucket: its flat values, then its payload
           const std::size_t n = impl::bucket_count(b.bucket), flat = impl::flat_scalar_size(b.scalar_size);
@@ -187,9 +168,7 @@ struct Kaisa {
         for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
           const auto& b = flight_.buckets[i];
           void* flat = flight_staging_.data() + flight_.offsets[i];
-          if (b.scalar_size == 2) pack_bucket<float, Half>(exec, all, b, flat);
-          else if (b.scalar_size == 4) pack_bucket<float>(exec, all, b, flat);
-          else pack_bucket<double>(exec, all, b, flat);
+          transfer_bucket(exec, all, b, flat, true);
           const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
           if (!impl::payload_is_native(o.comm_precision, flat_size))
             impl::pack_payload(exec, flat, n, flat_size, o.comm_precision, payload_of(i));
@@ -220,9 +199,7 @@ struct Kaisa {
           const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
           if (!impl::payload_is_native(flight_.payload, flat_size))
             impl::unpack_payload(exec, payload_of(i), n, flat_size, flight_.payload, flat);
-          if (b.scalar_size == 2) unpack_bucket<float, Half>(exec, flight_.items, b, flat);
-          else if (b.scalar_size == 4) unpack_bucket<float>(exec, flight_.items, b, flat);
-          else unpack_bucket<double>(exec, flight_.items, b, flat);
+          transfer_bucket(exec, flight_.items, b, flat, false);
         }
         exec.fence();
         flight_ = Flight{};
@@ -361,34 +338,40 @@ struct Kaisa {
     }
 
    private:
-    template <class T, class S = T>
+    /// The factor-averaging collectives of `all` (impl::factor_buckets: the cost model replays it).
+    static std::vector<impl::FactorBucket> buckets_of(const std::vector<impl::FactorBuffer>& all, const Options& o) {
+      std::vector<std::size_t> counts, sizes;
+      std::vector<int> owners;
+      for (const auto& f : all) {
+        counts.push_back(f.payload_count());
+        sizes.push_back(f.storage.scalar_size);
+        owners.push_back(f.owner);
+      }
+      return impl::factor_buckets(counts, sizes, owners, o.bucket_bytes);
+    }
     void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
                     CommPrecision payload) {
-      const std::size_t count = impl::bucket_count(b.bucket);
-      if (staging_.extent(0) < count * sizeof(T))
-        staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * sizeof(T));
-      pack_bucket<T, S>(exec, all, b, staging_.data());
-      impl::sum_payload(exec, comm_, staging_.data(), count, sizeof(T), payload, payload_, b.owner);
+      const std::size_t count = impl::bucket_count(b.bucket), flat_size = impl::flat_scalar_size(b.scalar_size);
+      if (staging_.extent(0) < count * flat_size)
+        staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * flat_size);
+      transfer_bucket(exec, all, b, staging_.data(), true);
+      impl::sum_payload(exec, comm_, staging_.data(), count, flat_size, payload, payload_, b.owner);
       if (b.owner >= 0 && b.owner != comm_.rank()) return;  // reduce-to-owner: only the owner reads the sum
-      unpack_bucket<T, S>(exec, all, b, staging_.data());
+      transfer_bucket(exec, all, b, staging_.data(), false);
     }
-    /// The factors of bucket `b` (pieces index b.items, which index `all`) into `flat`, as
-    /// values of T: increments over their bases when summed to every rank.
-    template <class T, class S = T>
-    void pack_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
-                     void* flat) const {
-      transfer_bucket<T, S>(exec, all, b, flat, true);
-    }
-    /// The average (the sum over ranks in `flat`, divided by the world size) back into the
-    /// factors of bucket `b`.
-    template <class T, class S = T>
-    void unpack_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
-                       void* flat) const {
-      transfer_bucket<T, S>(exec, all, b, flat, false);
+    /// `pack`: the factors of bucket `b` (pieces index b.items, which index `all`) into `flat`,
+    /// in the bucket's flat type (kfac::Half as float), as increments over their bases when
+    /// summed to every rank; else the average (the sum in `flat` over the world size) back
+    /// into them.
+    void transfer_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                         void* flat, bool pack) const {
+      if (b.scalar_size == 2) transfer_typed<float, Half>(exec, all, b, flat, pack);
+      else if (b.scalar_size == 4) transfer_typed<float, float>(exec, all, b, flat, pack);
+      else transfer_typed<double, double>(exec, all, b, flat, pack);
     }
     template <class T, class S>
-    void transfer_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
-                         void* flat_data, bool pack) const {
+    void transfer_typed(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                        void* flat_data, bool pack) const {
       Kokkos::View<T*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(static_cast<T*>(flat_data),
                                                                                    impl::bucket_count(b.bucket));
       const T scale = pack ? T(1) : T(1) / T(comm_.size());

@@ -112,8 +112,7 @@ class MpiComm {
   void sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload, int root = -1) const {
     if (count == 0 || size() == 1) return;
     if (impl::payload_is_native(payload, scalar_size)) {
-      MPI_Datatype t = scalar_size == 8 ? MPI_DOUBLE : MPI_FLOAT;
-      reduce_bcast(data, count, scalar_size, t, MPI_SUM, root);
+      reduce_bcast(data, count, sum_type(payload, scalar_size), root);
       return;
     }
     if (payload == CommPrecision::float32) {
@@ -141,10 +140,7 @@ class MpiComm {
   void sum_converted(void* payload_data, std::size_t count, CommPrecision payload, int root = -1) const {
     if (payload == CommPrecision::native) throw Error("", "MpiComm::sum_converted: a native payload needs sum()");
     if (count == 0 || size() == 1) return;
-    if (payload == CommPrecision::float32)
-      reduce_bcast(payload_data, count, 4, MPI_FLOAT, MPI_SUM, root);
-    else
-      reduce_bcast(payload_data, count, 2, MPI_UINT16_T, state_->bf16_op, root);
+    reduce_bcast(payload_data, count, sum_type(payload, 8), root);
   }
 
   /// \brief A sub-communicator; frees itself (move-only).
@@ -223,6 +219,12 @@ class MpiComm {
   /// started by the first test() or wait() that finds the reduce complete, so sums started on
   /// one group must be advanced in the order they were started (every rank starts the
   /// broadcasts in the same order: kfac::Kaisa does).
+  /// How a sum's values travel (MpiComm::sum_type).
+  struct SumType {
+    std::size_t size = 1;
+    MPI_Datatype type = MPI_BYTE;
+    MPI_Op op = MPI_SUM;
+  };
   class Request {
    public:
     Request() = default;
@@ -264,11 +266,10 @@ class MpiComm {
     void start_pending() {
       pending_bcast_ = false;
       auto* p = static_cast<char*>(data_);
-      for (std::size_t first = 0; first < count_; first += per_) {
-        const int n = int(std::min(per_, count_ - first));
+      for_each_piece(count_, per_, [&](std::size_t first, int n) {
         requests_.emplace_back();
-        check(MPI_Ibcast(p + first * size_, n, type_, 0, comm_, &requests_.back()), "MPI_Ibcast");
-      }
+        check(MPI_Ibcast(p + first * type_.size, n, type_.type, 0, comm_, &requests_.back()), "MPI_Ibcast");
+      });
     }
     void take(Request& o) noexcept {
       requests_ = std::move(o.requests_);
@@ -277,7 +278,6 @@ class MpiComm {
       pending_bcast_ = o.pending_bcast_;
       data_ = o.data_;
       count_ = o.count_;
-      size_ = o.size_;
       per_ = o.per_;
       type_ = o.type_;
       comm_ = o.comm_;
@@ -288,8 +288,8 @@ class MpiComm {
     std::vector<int> counts_, offsets_;  ///< MPI_Iallgatherv reads them until it completes
     bool pending_bcast_ = false;  ///< a sum to every rank: the broadcast is still to start
     void* data_ = nullptr;
-    std::size_t count_ = 0, size_ = 0, per_ = 1;
-    MPI_Datatype type_ = MPI_BYTE;
+    std::size_t count_ = 0, per_ = 1;
+    SumType type_;
     MPI_Comm comm_ = MPI_COMM_NULL;
   };
   using request_type = Request;
@@ -305,19 +305,7 @@ class MpiComm {
   Request start_broadcast(void* data, std::size_t bytes, int root_index, const Group& group) const {
     Request r;
     ++state_->started;
-    int gsize = 1, grank = 0;
-    MPI_Comm_size(group.comm(), &gsize);
-    if (gsize == 1 || bytes == 0) return r;
-    MPI_Comm_rank(group.comm(), &grank);
-    if (grank == root_index) state_->bytes += bytes;
-    auto* p = static_cast<char*>(data);
-    for (std::size_t off = 0; off < bytes; off += state_->max_message) {
-      ++state_->messages;
-      r.requests_.emplace_back();
-      check(MPI_Ibcast(p + off, int(std::min(state_->max_message, bytes - off)), MPI_BYTE, root_index, group.comm(),
-                       &r.requests_.back()),
-            "MPI_Ibcast");
-    }
+    post_broadcast(r, data, bytes, root_index, group.comm());
     return r;
   }
   /// The nonblocking form of all_gather() (MPI_Iallgatherv; one broadcast per member, in
@@ -330,11 +318,8 @@ class MpiComm {
     if (g.members == 1) return r;
     if (g.in_pieces) {
       std::size_t off = 0;
-      for (int k = 0; k < g.members; off += bytes[std::size_t(k)], ++k) {
-        Request piece = start_broadcast(p + off, bytes[std::size_t(k)], k, group);
-        for (auto& q : piece.requests_) r.requests_.push_back(q);
-        piece.requests_.clear();
-      }
+      for (int k = 0; k < g.members; off += bytes[std::size_t(k)], ++k)
+        post_broadcast(r, p + off, bytes[std::size_t(k)], k, group.comm());
       return r;
     }
     r.counts_ = g.counts;
@@ -355,30 +340,23 @@ class MpiComm {
     Request r;
     ++state_->started;
     if (count == 0 || size() == 1) return r;
-    const bool native = impl::payload_is_native(payload, scalar_size);
-    const std::size_t sz = native ? scalar_size : impl::payload_size(payload, scalar_size);
-    const MPI_Datatype t = payload == CommPrecision::bfloat16 ? MPI_UINT16_T : sz == 8 ? MPI_DOUBLE : MPI_FLOAT;
-    const MPI_Op op = payload == CommPrecision::bfloat16 ? state_->bf16_op : MPI_SUM;
+    const SumType t = sum_type(payload, scalar_size);
     const bool everyone = root < 0;
     const int to = everyone ? 0 : root;
-    state_->bytes += (everyone ? 2 : 1) * count * sz;
-    const std::size_t per = std::max<std::size_t>(1, state_->max_message / sz);
+    const std::size_t per = count_sum(count, t, everyone);
     auto* p = static_cast<char*>(data);
-    for (std::size_t first = 0; first < count; first += per) {
-      const int n = int(std::min(per, count - first));
-      void* at = p + first * sz;
-      state_->messages += everyone ? 2 : 1;
+    for_each_piece(count, per, [&](std::size_t first, int n) {
+      void* at = p + first * t.size;
       r.requests_.emplace_back();
       if (rank() == to)
-        check(MPI_Ireduce(MPI_IN_PLACE, at, n, t, op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
+        check(MPI_Ireduce(MPI_IN_PLACE, at, n, t.type, t.op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
       else
-        check(MPI_Ireduce(at, nullptr, n, t, op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
-    }
+        check(MPI_Ireduce(at, nullptr, n, t.type, t.op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
+    });
     if (everyone) {
       r.pending_bcast_ = true;
       r.data_ = data;
       r.count_ = count;
-      r.size_ = sz;
       r.per_ = per;
       r.type_ = t;
       r.comm_ = group.comm();
@@ -475,37 +453,69 @@ class MpiComm {
     if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
   }
   void bcast(void* data, std::size_t bytes, int root_index, MPI_Comm c) const {
-    int gsize = 1;
-    MPI_Comm_size(c, &gsize);
-    if (gsize == 1 || bytes == 0) return;
-    int grank = 0;
-    MPI_Comm_rank(c, &grank);
-    if (grank == root_index) state_->bytes += bytes;
     auto* p = static_cast<char*>(data);
-    for (std::size_t off = 0; off < bytes; off += state_->max_message) {
-      const std::size_t n = std::min(state_->max_message, bytes - off);
-      ++state_->messages;
-      check(MPI_Bcast(p + off, int(n), MPI_BYTE, root_index, c), "MPI_Bcast");
-    }
+    const std::size_t per = count_broadcast(bytes, root_index, c);
+    if (per == 0) return;
+    for_each_piece(bytes, per, [&](std::size_t off, int n) {
+      check(MPI_Bcast(p + off, n, MPI_BYTE, root_index, c), "MPI_Bcast");
+    });
+  }
+  /// bcast() as MPI_Ibcast requests added to `r`.
+  void post_broadcast(Request& r, void* data, std::size_t bytes, int root_index, MPI_Comm c) const {
+    auto* p = static_cast<char*>(data);
+    const std::size_t per = count_broadcast(bytes, root_index, c);
+    if (per == 0) return;
+    for_each_piece(bytes, per, [&](std::size_t off, int n) {
+      r.requests_.emplace_back();
+      check(MPI_Ibcast(p + off, n, MPI_BYTE, root_index, c, &r.requests_.back()), "MPI_Ibcast");
+    });
   }
   /// Reduce to rank 0 and broadcast (`root` < 0), or only reduce to `root`, in pieces of at
   /// most max_message bytes.
-  void reduce_bcast(void* data, std::size_t count, std::size_t size, MPI_Datatype t, MPI_Op op, int root) const {
+  void reduce_bcast(void* data, std::size_t count, const SumType& t, int root) const {
     const bool everyone = root < 0;
     const int to = everyone ? 0 : root;
-    state_->bytes += (everyone ? 2 : 1) * count * size;  // one reduce contribution (+ one broadcast share)
-    const std::size_t per = std::max<std::size_t>(1, state_->max_message / size);
     auto* p = static_cast<char*>(data);
-    for (std::size_t first = 0; first < count; first += per) {
-      const int n = int(std::min(per, count - first));
-      void* at = p + first * size;
-      state_->messages += everyone ? 2 : 1;
+    for_each_piece(count, count_sum(count, t, everyone), [&](std::size_t first, int n) {
+      void* at = p + first * t.size;
       if (rank() == to)
-        check(MPI_Reduce(MPI_IN_PLACE, at, n, t, op, to, state_->comm), "MPI_Reduce");
+        check(MPI_Reduce(MPI_IN_PLACE, at, n, t.type, t.op, to, state_->comm), "MPI_Reduce");
       else
-        check(MPI_Reduce(at, nullptr, n, t, op, to, state_->comm), "MPI_Reduce");
-      if (everyone) check(MPI_Bcast(at, n, t, 0, state_->comm), "MPI_Bcast");
-    }
+        check(MPI_Reduce(at, nullptr, n, t.type, t.op, to, state_->comm), "MPI_Reduce");
+      if (everyone) check(MPI_Bcast(at, n, t.type, 0, state_->comm), "MPI_Bcast");
+    });
+  }
+  /// Calls f(first, n) for the pieces of `count` values, `per` at a time.
+  template <class F>
+  static void for_each_piece(std::size_t count, std::size_t per, F&& f) {
+    for (std::size_t first = 0; first < count; first += per) f(first, int(std::min(per, count - first)));
+  }
+  /// How a sum's values travel: native (the factor's own type), float32 or bfloat16 (bits,
+  /// summed by the bf16 MPI_Op).
+  SumType sum_type(CommPrecision payload, std::size_t scalar_size) const {
+    if (impl::payload_is_native(payload, scalar_size)) return {scalar_size, scalar_size == 8 ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM};
+    if (payload == CommPrecision::float32) return {4, MPI_FLOAT, MPI_SUM};
+    return {2, MPI_UINT16_T, state_->bf16_op};
+  }
+  /// Counts a sum of `count` values in bytes_sent() (one reduce contribution, plus one
+  /// broadcast share for `everyone`) and messages() (per piece); returns the values per piece.
+  std::size_t count_sum(std::size_t count, const SumType& t, bool everyone) const {
+    const std::size_t per = std::max<std::size_t>(1, state_->max_message / t.size);
+    state_->bytes += (everyone ? 2 : 1) * count * t.size;
+    state_->messages += (everyone ? 2 : 1) * ((count + per - 1) / per);
+    return per;
+  }
+  /// Counts a broadcast of `bytes` within `c` (bytes on its root, one message per piece);
+  /// returns the bytes per piece, or 0 when nothing travels (one member, no bytes).
+  std::size_t count_broadcast(std::size_t bytes, int root_index, MPI_Comm c) const {
+    int gsize = 1, grank = 0;
+    MPI_Comm_size(c, &gsize);
+    if (gsize == 1 || bytes == 0) return 0;
+    MPI_Comm_rank(c, &grank);
+    if (grank == root_index) state_->bytes += bytes;
+    const std::size_t per = state_->max_message;
+    state_->messages += (bytes + per - 1) / per;
+    return per;
   }
 
   std::shared_ptr<State> state_;
