@@ -431,3 +431,74 @@ TEST_CASE("Conv2d refuses a kernel that does not fit, at the edge of fitting", "
   expect_error([&] { pre.observe_input("c", V4<double>("x", 1, 1, 3, 4)); }, "c", {"kernel fitting"});
   pre.observe_input("c", V4<double>("x", 1, 1, 4, 4));
 }
+
+TEST_CASE("misuse found by a user's campaign is refused by name, at registration where it can be",
+          "[errors][registration]") {
+  SECTION("an allocation that cannot succeed") {
+    Pre pre(twin_options());
+    pre.register_layer<kfac::Dense>("fc", kfac::Dense(3, 2));
+    pre.register_layer<kfac::Dense>("huge", kfac::Dense(131072, 2));  // memory comes with the first observation
+    const V2<double> x("x", 2, 131072);
+    expect_error([&] { pre.observe_input("huge", x); }, "huge", {"observe_input: cannot allocate the layer's memory"});
+    CHECK(pre.memory_report()[1].workspace_bytes < (std::size_t(1) << 30));  // nothing pending was kept
+  }
+  SECTION("per-layer overrides are checked at registration, naming the layer") {
+    Pre pre(twin_options());
+    expect_error([&] { pre.register_layer("fc", kfac::Dense(3, 2), kfac::KFAC<>{}.with_damping(-1e-3)); }, "fc",
+                 {"damping = -0.001", "expected a finite value > 0"});
+    expect_error([&] { pre.register_layer("fc", kfac::Dense(3, 2), kfac::KFAC<>{}.with_inv_update_steps(0)); }, "fc",
+                 {"inv_update_steps", "an interval >= 1"});
+    expect_error([&] { pre.register_layer("bn", kfac::BatchNorm2d(2), kfac::UnitWiseFisher<>{}.with_factor_decay(1.0)); },
+                 "bn", {"factor_decay"});
+    CHECK(pre.layer_names().empty());
+  }
+  SECTION("a per-layer schedule that turns bad later names the layer at step()") {
+    Pre pre(twin_options());
+    pre.register_layer("fc", kfac::Dense(3, 2), kfac::KFAC<>{}.with_damping([](long s) { return s < 1 ? 1e-2 : -1.0; }));
+    Rng rng(3);
+    for (long s = 0; s < 2; ++s) {
+      const auto x = random_view<double>(4, 3, rng), g = random_view<double>(4, 2, rng);
+      auto w = random_view<double>(2, 3, rng);
+      auto b = random_vector<double>(2, rng);
+      pre.observe_input("fc", x);
+      pre.observe_output_grad("fc", g);
+      pre.set_gradient("fc", w, b);
+      if (s == 0) pre.step();
+      else expect_error([&] { pre.step(); }, "fc", {"damping = -1", "at step 1"});
+    }
+    CHECK(pre.step_count() == 1);
+  }
+  SECTION("a skip_layers entry that matches no layer name or kind") {
+    Pre pre(twin_options().with_skip_layers({"fc_typo", "conv2d"}));
+    register_all(pre);
+    const StepData d(0);
+    d.feed(pre);
+    expect_error([&] { pre.step(); }, "", {"skip_layers entry 'fc_typo' matches no registered layer"});
+    CHECK(pre.step_count() == 0);
+  }
+  SECTION("an output gradient of the wrong width on a step without a factor update") {
+    Pre pre(twin_options().with_factor_update_steps(2));
+    register_all(pre);
+    const StepData d0(0), d1(1);
+    d0.feed(pre);
+    pre.step();
+    REQUIRE_FALSE(pre.wants_observations("fc"));
+    expect_error([&] { pre.observe_output_grad("fc", V2<double>("g", 4, 3)); }, "fc",
+                 {"output gradient has shape (4, 3, 1, 1)", "expected (batch, 2)"});
+    expect_error([&] { pre.observe_input("fc", V2<double>("x", 4, 5)); }, "fc", {"input has shape (4, 5, 1, 1)"});
+  }
+  SECTION("a Conv2d output gradient of the wrong spatial size observed before its input") {
+    Pre pre(twin_options());
+    register_all(pre);
+    const StepData d(0);
+    pre.observe_output_grad("conv", V4<double>("g", 2, 2, 3, 3));  // no input yet: the size is not known
+    expect_error([&] { pre.observe_input("conv", d.conv_x); }, "conv",
+                 {"input has shape (2, 2, 3, 3) but the output gradient observed before it", "(2, 2, 3, 3)",
+                  "expected (batch, 2, 2, 2)"});
+  }
+  SECTION("schedules refuse what would crash them") {
+    expect_error([] { kfac::schedules::step_decay(0.1, 0.5, 0); }, "", {"step_decay: every = 0"});
+    expect_error([] { kfac::schedules::step_decay(0.1, -0.5, 10); }, "", {"step_decay"});
+    CHECK(kfac::schedules::step_decay(0.1, 0.5, 10)(25) == Approx(0.025));
+  }
+}

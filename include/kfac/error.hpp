@@ -25,4 +25,15 @@ class Error : public std::runtime_error {
   std::string layer_;
 };
 
+namespace impl {
+/// The message of `e` without the "kfac: layer '...': " prefix Error adds.
+inline std::string bare_message(const Error& e) {
+  const std::string what = e.what();
+  const std::string prefix = e.layer().empty() ? "kfac: " : "kfac: layer '" + e.layer() + "': ";
+  return what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
+}
+/// `e` about layer `name` (a check that did not know the layer).
+inline Error about_layer(const std::string& name, const Error& e) { return Error(name, bare_message(e)); }
+}  // namespace impl
+
 }  // namespace kfac

@@ -55,7 +55,8 @@ class Preconditioner {
   using layer_base = block_type;  ///< the name of block_type in kfac 0.1
 
   explicit Preconditioner(Options options = Options{}, Exec exec = Exec{}, Comm comm = Comm{})
-      : options_(std::move(options)), exec_(std::move(exec)), dist_(std::move(comm)) {
+      : options_(std::move(options)), exec_(std::move(exec)), dist_(std::move(comm)),
+        client_(impl::next_client_of(dist_.comm())) {
     StepValues::at(options_, 0);  // reject bad constants at construction
   }
 
@@ -66,8 +67,14 @@ class Preconditioner {
     static_assert(is_layer_type_v<LayerType>, "kfac::register_layer: the second argument must be a layer type (kfac::Dense, kfac::Conv2d, kfac::BatchNorm2d)");
     static_assert(is_method_v<Method>, "kfac::register_layer: the third argument must be a method object (kfac::KFAC<...>, kfac::UnitWiseFisher<...>)");
     static_assert(Method::template accepts<LayerType>, "kfac::register_layer: this method does not handle this layer type");
-    reg_.add([method, name, layer] { return method.template make_block<Scalar, Exec>(name, layer); },
-             impl::overrides_of(method), skipped(name, LayerType::kind), step_);
+    try {  // the layer's own settings, checked now rather than at its first step()
+      impl::overrides_of(method).values_at(options_, step_);
+    } catch (const Error& e) {
+      throw impl::about_layer(name, e);
+    }
+    for (const auto& e : reg_.entries())
+      if (e.block->name() == name) throw Error(name, "a layer with this name is already registered");
+    allocating(name, "register_layer", [&] { add_entry(name, layer, method); });
     // The new layer gets statistics and a decomposition at the next step, and so does every
     // layer (the work assignment changes, and ranks must agree on what is due): at once, and
     // in-flight decompositions are dropped.
@@ -78,6 +85,12 @@ class Preconditioner {
     }
     registration_checked_ = false;
     fresh_ = true;
+  }
+  /// Adds the block (public only for nvcc, which compiles kernels of the blocks it makes).
+  template <class LayerType, class Method>
+  void add_entry(const std::string& name, const LayerType& layer, const Method& method) {
+    reg_.add([method, name, layer] { return method.template make_block<Scalar, Exec>(name, layer); },
+             impl::overrides_of(method), skipped(name, LayerType::kind), step_);
   }
   /// \brief The policy-list form: default_method<LayerType> when no policy is given, else
   /// KFAC<FactorPolicy, Inversion, Prec> (Dense, Conv2d) or UnitWiseFisher<FactorPolicy, Prec>.
@@ -123,7 +136,8 @@ class Preconditioner {
     impl::fail_if(name, e.block->check_input(impl::extents_of(t)));
     if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
     if (!factor_due(e) || e.skipped || e.poisoned) return;  // a poisoned layer ignores the rest of its step
-    if (impl::check_finite(exec_, options_, name, t, "input")) e.block->observe_input(exec_, t);
+    if (impl::check_finite(exec_, options_, name, t, "input"))
+      allocating(name, "observe_input", [&] { e.block->observe_input(exec_, t); });
     else poisoned_ = e.poisoned = true;
   }
   /// \brief The gradient of the loss with respect to the layer's output (pre-activation),
@@ -133,10 +147,12 @@ class Preconditioner {
     auto& e = reg_.at(name);
     auto t = impl::as_tensor<Scalar, Exec>(name, g, "output gradient");
     if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
-    if (!factor_due(e) || e.skipped || e.poisoned) return;
     impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t)));
+    if (!factor_due(e) || e.skipped || e.poisoned) return;
     if (!impl::check_finite(exec_, options_, name, t, "output gradient")) return void(poisoned_ = e.poisoned = true);
-    e.block->observe_output_grad(exec_, t, options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0);
+    allocating(name, "observe_output_grad", [&] {
+      e.block->observe_output_grad(exec_, t, options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0);
+    });
   }
   /// \brief The gradient to precondition in place at the next step(): the weight gradient
   /// (out, in) or, for Conv2d, (O, C, kh, kw); and the bias gradient (out), or an empty view
@@ -149,6 +165,7 @@ class Preconditioner {
 
   /// \brief Runs one step; see the class description. On a kfac::Error nothing changed.
   void step() {
+    [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::step at step " + std::to_string(step_));
     // Everything this rank can find wrong is found before the step's first collective, and
     // agreed on in one allreduce: every rank throws the same error, or skips, together.
     std::vector<impl::Due> due(reg_.size());
@@ -160,11 +177,14 @@ class Preconditioner {
       const double payload_max = dist_.payload_max(options_);
       mine.poisoned = poisoned_ || (options_.nonfinite == NonFinitePolicy::skip && impl::nonfinite_step(reg_, due, exec_, payload_max));
       impl::validate_step(reg_, due, options_, exec_, step_, mine.poisoned, payload_max);
+      check_skip_layers();
+      mine.settings = impl::settings_hash(v, due);
     } catch (const Error& e) {
       mine.error = e;
     }
     mine.registration = impl::fnv1a(registration_signature());
     mine.sequence = impl::sequence_hash(step_, due, options_);
+    mine.client = client_;
     if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size())) return skip_step();
     if (!registration_checked_) check_registration();
     impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, options_, due, step_);
@@ -207,6 +227,8 @@ class Preconditioner {
   /// layer names and signatures) as a versioned, checksummed stream (format: serializer.hpp).
   /// With Options::reduce_to_owner, collective: the owners share the global factors first.
   void save(std::ostream& os, bool with_decompositions = true) const {
+    [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::save at step " + std::to_string(step_) +
+                                                            " (collective with reduce_to_owner: every rank calls it)");
     impl::share_owned_factors(exec_, reg_, dist_, options_, dist_.assignment().layers());
     const long counters[3] = {step_, last_factor_step_, last_inv_step_};
     impl::save_checkpoint(os, reg_, counters, communicator().size(), communicator().rank(), with_decompositions);
@@ -217,6 +239,7 @@ class Preconditioner {
   /// checkpoint refused on one rank is refused on all. Returns true when the decompositions
   /// were restored.
   bool load(std::istream& is) {
+    [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::load (collective)");
     impl::CheckpointPlan cp;
     std::optional<Error> refused;
     try {
@@ -261,6 +284,20 @@ class Preconditioner {
  private:
   using dist_type = typename Distribution::template State<Exec, Comm>;
 
+  /// Runs `f`, which may allocate the layer's memory: a failed allocation (Kokkos throws
+  /// std::bad_alloc in 3.4, std::runtime_error in 4.x) becomes a kfac::Error naming the layer.
+  template <class F>
+  static void allocating(const std::string& name, const char* call, F&& f) {
+    try {
+      f();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc& e) {
+      throw Error(name, std::string(call) + ": cannot allocate the layer's memory (" + e.what() + ")");
+    } catch (const std::runtime_error& e) {
+      throw Error(name, std::string(call) + ": cannot allocate the layer's memory (" + e.what() + ")");
+    }
+  }
   bool factor_due(const entry_type& e) const { return step_ >= e.schedule.next_factor; }
   std::string registration_signature() const {
     std::string sig = dist_.signature(options_);
@@ -279,6 +316,18 @@ class Preconditioner {
     ++step_;
   }
 
+  /// Every Options::skip_layers entry names a registered layer or a kind of layer (a kind
+  /// may match none: "batch_norm" for a network without one); a misspelt name would otherwise
+  /// leave its layer preconditioned silently.
+  void check_skip_layers() const {
+    for (const auto& s : options_.skip_layers) {
+      bool found = s == Dense::kind || s == Conv2d::kind || s == BatchNorm2d::kind;
+      for (const auto& e : reg_.entries()) found = found || s == e.block->name() || s == e.block->kind();
+      if (!found)
+        throw Error("", "Options::skip_layers entry '" + s + "' matches no registered layer name or kind of layer (" +
+                            std::string(Dense::kind) + ", " + Conv2d::kind + ", " + BatchNorm2d::kind + ")");
+    }
+  }
   bool skipped(const std::string& name, const char* kind) const {
     for (const auto& s : options_.skip_layers)
       if (s == name || s == kind) return true;
@@ -293,6 +342,7 @@ class Preconditioner {
   bool poisoned_ = false, registration_checked_ = false;
   bool fresh_ = true;  ///< the next decompositions run at once (Options::decomposition_delay)
   long skipped_steps_ = 0, damping_retries_ = 0;
+  long client_ = 0;  ///< this preconditioner's number among its communicator's (agreed every step)
 };
 
 }  // namespace kfac

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "kfac/core/hash.hpp"
 #include "kfac/core/options.hpp"
@@ -22,7 +24,44 @@ struct LocalVerdict {
   std::optional<Error> error;  ///< the rank's own validation error
   bool poisoned = false;       ///< NaN/Inf seen under NonFinitePolicy::skip
   std::uint64_t registration = 0, sequence = 0;
+  std::uint64_t settings = 0;  ///< settings_hash(): the step's hyperparameter values
+  long client = 0;             ///< which preconditioner of the communicator steps (next_client_of)
 };
+
+/// A communicator that numbers its clients and names scopes (kfac::MpiComm).
+template <class C, class = void>
+struct has_clients : std::false_type {};
+template <class C>
+struct has_clients<C, std::void_t<decltype(std::declval<const C&>().next_client())>> : std::true_type {};
+/// The next client number of `c` (0 for a communicator that does not count them).
+template <class C>
+long next_client_of(const C& c) {
+  if constexpr (has_clients<C>::value) return c.next_client();
+  else return 0;
+}
+/// `c.scope(what)` where the communicator names scopes in its timeout messages.
+template <class C>
+auto comm_scope(const C& c, std::string what) {
+  if constexpr (has_clients<C>::value) return c.scope(std::move(what));
+  else return 0;
+}
+
+/// Hash of the hyperparameter values in force at this step: the global ones and every
+/// layer's (its overrides), so that ranks given different lr, damping, kl_clip, factor_decay
+/// or intervals refuse the step together instead of drifting apart.
+template <class DueList>
+std::uint64_t settings_hash(const StepValues& v, const DueList& due) {
+  std::string s;
+  auto put = [&](const StepValues& x) {
+    const double d[4] = {x.lr, x.damping, x.factor_decay, x.kl_clip};
+    const long n[2] = {x.factor_update_steps, x.inv_update_steps};
+    s.append(reinterpret_cast<const char*>(d), sizeof(d));
+    s.append(reinterpret_cast<const char*>(n), sizeof(n));
+  };
+  put(v);
+  for (const auto& d : due) put(d.values);
+  return fnv1a(s);
+}
 
 /// Hash of what decides the collectives of a step: the step count, which layers update
 /// statistics and decompositions, and the options that shape the communication.
@@ -32,13 +71,6 @@ std::uint64_t sequence_hash(long step, const DueList& due, const Options& o) {
                   std::to_string(int(o.comm_precision)) + ";" + std::to_string(int(o.nonfinite)) + ";" + std::to_string(o.decomposition_delay) + ";";
   for (const auto& d : due) s += char('0' + int(d.factor) + 2 * int(d.inv) + 4 * int(d.defer));
   return fnv1a(s);
-}
-
-/// The message of `e` without the "kfac: layer '...': " prefix Error adds.
-inline std::string bare_message(const Error& e) {
-  const std::string what = e.what();
-  const std::string prefix = e.layer().empty() ? "kfac: " : "kfac: layer '" + e.layer() + "': ";
-  return what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
 }
 
 /// Combines the verdicts of all ranks of `dist` (one allreduce; a broadcast more only when
@@ -51,19 +83,27 @@ bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int wor
     return mine.poisoned;
   }
   // Max of h and of ~h: all ranks passed the same h exactly when max(h) == ~max(~h).
-  long v[6] = {mine.error ? long(world - rank) : 0L,
-               mine.poisoned ? 1L : 0L,
-               long(mine.registration),
-               long(~mine.registration),
-               long(mine.sequence),
-               long(~mine.sequence)};
-  dist.agree_max(v, 6);
+  long v[10] = {mine.error ? long(world - rank) : 0L,
+                mine.poisoned ? 1L : 0L,
+                long(mine.registration),
+                long(~mine.registration),
+                long(mine.sequence),
+                long(~mine.sequence),
+                long(mine.settings),
+                long(~mine.settings),
+                mine.client,
+                ~mine.client};
+  dist.agree_max(v, 10);
   if (v[0] > 0) {  // the lowest failing rank tells everyone what it saw
     const int root = world - int(v[0]);
     const std::string layer = dist.share_message(mine.error && rank == root ? mine.error->layer() : "", root);
     const std::string what = dist.share_message(mine.error && rank == root ? bare_message(*mine.error) : "", root);
     throw Error(layer, what + " (on rank " + std::to_string(root) + "; the step was refused on every rank)");
   }
+  if (v[8] != ~v[9])
+    throw Error("", "two preconditioners that share one communicator were stepped in different orders on "
+                    "different ranks (this rank stepped its preconditioner number " + std::to_string(mine.client) +
+                    " of this communicator); the step was refused on every rank");
   if (v[2] != ~v[3])
     throw Error("", "ranks registered different layers, shapes, methods or distribution options; "
                     "the step was refused on every rank");
@@ -71,6 +111,9 @@ bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int wor
     throw Error("", "ranks disagree on this step's schedule or communication options (step count, "
                     "statistics/decomposition steps, bucket_bytes, comm_precision, nonfinite policy); "
                     "the step was refused on every rank");
+  if (v[6] != ~v[7])
+    throw Error("", "ranks disagree on this step's hyperparameter values (lr, damping, factor_decay, kl_clip, "
+                    "update intervals, or a layer's override of them); the step was refused on every rank");
   return v[1] > 0;
 }
 

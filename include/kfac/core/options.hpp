@@ -78,6 +78,9 @@ inline std::function<long(long)> stale_fisher(long first, long max_interval, lon
 }
 /// \brief Step decay: `value * factor^(step / every)`.
 inline std::function<double(long)> step_decay(double value, double factor, long every) {
+  if (every < 1) throw Error("", "step_decay: every = " + std::to_string(every) + ": expected an interval >= 1");
+  if (!(factor > 0) || !std::isfinite(factor) || !std::isfinite(value))
+    throw Error("", "step_decay: expected a finite value and a finite factor > 0");
   return [=](long step) { return value * std::pow(factor, double(step / every)); };
 }
 }  // namespace schedules

@@ -53,7 +53,13 @@ struct Entry {
     w = {};
     b = {};
   }
-  StepValues values_at(const Options& o, long step) const { return overrides.values_at(o, step); }
+  StepValues values_at(const Options& o, long step) const {
+    try {
+      return overrides.values_at(o, step);
+    } catch (const Error& e) {
+      throw about_layer(block->name(), e);
+    }
+  }
 };
 
 template <class Scalar, class Exec>

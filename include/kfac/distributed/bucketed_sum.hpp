@@ -31,6 +31,20 @@ Buffer averaged_buffer_of(const View& v, const char* who) {
   return buffer_of(v);
 }
 
+/// \brief Collective (one hash over ranks): throws the same kfac::Error on every rank, before
+/// any data moves, unless every rank registered the same number, sizes and scalar types of
+/// views with averager `who`. Without it, different sizes end in MPI's own abort
+/// (MPI_ERR_TRUNCATE) or a wrong average.
+template <class Comm>
+void check_same_buffers(const Comm& comm, const std::vector<Buffer>& buffers, const char* who) {
+  std::string sig = std::string(who) + ":" + std::to_string(buffers.size()) + ";";
+  for (const auto& b : buffers) sig += std::to_string(b.scalar_size) + "x" + std::to_string(b.count) + ";";
+  if (!comm.all_equal(sig))
+    throw Error("", std::string(who) + ": ranks registered different views (count, sizes or types; rank " +
+                        std::to_string(comm.rank()) + " has " + std::to_string(buffers.size()) + " view(s): " + sig +
+                        "); nothing was averaged");
+}
+
 /// Copies `count` values of `src` (from `src_off`) into `dst` (from `dst_off`), each times
 /// `scale`; both in Exec's memory. A free function: nvcc rejects device lambdas in private members.
 template <class Exec, class T>

@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kfac/core/agreement.hpp"
 #include "kfac/core/block.hpp"
 #include "kfac/distributed/bucketed_sum.hpp"
 #include "kfac/distributed/comm_precision.hpp"
@@ -37,12 +38,21 @@ class GradientAverager {
   template <class View>
   void add(const View& v) {
     buffers_.push_back(impl::averaged_buffer_of<Exec>(v, "GradientAverager"));
+    checked_ = false;
   }
 
-  /// Replaces every registered gradient by its mean over ranks.
+  /// \brief Collective: replaces every registered gradient by its mean over ranks. The first
+  /// call after an add() checks (one collective more) that every rank registered the same
+  /// views; on a mismatch every rank throws the same kfac::Error and nothing moves.
   void average() {
+    [[maybe_unused]] const auto scope = impl::comm_scope(comm_, "GradientAverager::average");
     collectives_ = 0;
     if (comm_.size() == 1) return;
+    if (!checked_) {
+      ++collectives_;
+      impl::check_same_buffers(comm_, buffers_, "GradientAverager");
+      checked_ = true;
+    }
     average_typed<float>();
     average_typed<double>();
   }
@@ -59,6 +69,7 @@ class GradientAverager {
   std::size_t bucket_bytes_;
   std::vector<impl::Buffer> buffers_;
   std::size_t collectives_ = 0;
+  bool checked_ = false;
   Kokkos::View<char*, memory_space> staging_;
 };
 

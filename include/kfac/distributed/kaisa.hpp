@@ -285,10 +285,12 @@ struct Kaisa {
         for (int u = 0; u < units_.at(l); ++u) roots.push_back(assignment_.receiver_group_of(assignment_.decomposer(l, u)));
         const auto* group = background_[l].get();
         const std::size_t max_message = comm_.max_message_bytes();
-        sharer = [group, roots, max_message](int u, const std::vector<impl::Buffer>& buffers) {
+        const double timeout = comm_.timeout();
+        sharer = [group, roots, max_message, timeout](int u, const std::vector<impl::Buffer>& buffers) {
           std::pair<std::size_t, std::size_t> sent{0, 0};
           for (const auto& b : buffers) {
-            const auto s = Comm::broadcast_polling(b.data, b.bytes(), roots.at(std::size_t(u)), *group, max_message);
+            const auto s =
+                Comm::broadcast_polling(b.data, b.bytes(), roots.at(std::size_t(u)), *group, max_message, timeout);
             sent.first += s.first;
             sent.second += s.second;
           }

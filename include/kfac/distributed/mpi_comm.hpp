@@ -13,6 +13,11 @@
 /// Copies share one duplicated communicator (and byte counter). Sub-communicators are
 /// MpiComm::Group objects that free themselves: each distribution policy owns its own, so any
 /// number of preconditioners may share one MpiComm.
+///
+/// No collective waits forever (watchdog.hpp): each is a nonblocking MPI call polled until it
+/// completes or with_timeout()'s deadline passes (default 600 s, or `KFAC_COMM_TIMEOUT`
+/// seconds); then the waiting rank throws a kfac::Error naming the call, scope() and the
+/// ranks that did not arrive.
 
 #include <mpi.h>
 
@@ -27,6 +32,7 @@
 #include <vector>
 
 #include "kfac/distributed/comm_precision.hpp"
+#include "kfac/distributed/watchdog.hpp"
 #include "kfac/core/hash.hpp"
 #include "kfac/error.hpp"
 
@@ -43,11 +49,45 @@ inline void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
 
 /// \brief MPI communicator policy.
 class MpiComm {
+  struct State;
+
  public:
   /// \param comm [in] the communicator kfac works on (duplicated).
   /// \param cuda_aware [in] pass device pointers to MPI directly.
+  /// Collective over `comm` (duplicates it twice: kfac's traffic and the watchdog's questions).
   explicit MpiComm(MPI_Comm comm = MPI_COMM_WORLD, bool cuda_aware = false)
       : state_(std::make_shared<State>(comm)), cuda_aware_(cuda_aware) {}
+
+  /// \brief Deadline of every collective, in seconds (0: none). Default 600, or the
+  /// environment's `KFAC_COMM_TIMEOUT`. Shared by the copies of this MpiComm; every rank
+  /// should set the same value.
+  MpiComm& with_timeout(double seconds) {
+    if (!(seconds >= 0) || !std::isfinite(seconds))
+      throw Error("", "MpiComm::with_timeout: expected a number of seconds >= 0 (0: no deadline)");
+    state_->dog.timeout = seconds;
+    return *this;
+  }
+  double timeout() const { return state_->dog.timeout; }
+  /// \brief Names what the caller is doing in a timeout's message, until the Scope ends
+  /// (e.g. "Preconditioner::step at step 12"); scopes nest.
+  class Scope {
+   public:
+    Scope(const MpiComm& c, std::string what) : dog_(c.state_->dog), old_(std::move(dog_.context)) {
+      dog_.context = std::move(what);
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    ~Scope() { dog_.context = std::move(old_); }
+
+   private:
+    impl::Watchdog& dog_;
+    std::string old_;
+  };
+  Scope scope(std::string what) const { return Scope(*this, std::move(what)); }
+  /// \brief The next number of a client of this communicator (a Preconditioner): the
+  /// per-step agreement compares it, so that two preconditioners stepped in different orders
+  /// on different ranks are an error, not a silent mix-up.
+  long next_client() const { return state_->clients++; }
 
   int rank() const { return state_->rank; }
   int size() const { return state_->size; }
@@ -62,22 +102,20 @@ class MpiComm {
 
   double allreduce_sum(double v) const {
     double r = 0;
-    check(MPI_Allreduce(&v, &r, 1, MPI_DOUBLE, MPI_SUM, state_->comm), "MPI_Allreduce");
+    allreduce(&v, &r, 1, MPI_DOUBLE, MPI_SUM);
     return r;
   }
   long allreduce_max(long v) const {
     long r = 0;
-    check(MPI_Allreduce(&v, &r, 1, MPI_LONG, MPI_MAX, state_->comm), "MPI_Allreduce");
+    allreduce(&v, &r, 1, MPI_LONG, MPI_MAX);
     return r;
   }
   /// Element-wise max over ranks of `n` values, in place (one collective).
-  void allreduce_max(long* v, int n) const {
-    check(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_LONG, MPI_MAX, state_->comm), "MPI_Allreduce");
-  }
+  void allreduce_max(long* v, int n) const { allreduce(MPI_IN_PLACE, v, n, MPI_LONG, MPI_MAX); }
   /// `s` of rank `root`, on every rank (two broadcasts: length, bytes).
   std::string broadcast_string(const std::string& s, int root) const {
     std::uint64_t n = s.size();
-    check(MPI_Bcast(&n, 1, MPI_UINT64_T, root, state_->comm), "MPI_Bcast");
+    bcast(&n, sizeof(n), root, state_->comm);
     std::string r = rank() == root ? s : std::string(std::size_t(n), '\0');
     if (n > 0) bcast(&r[0], std::size_t(n), root, state_->comm);
     return r;
@@ -99,7 +137,7 @@ class MpiComm {
   bool all_equal(const std::string& s) const {
     const std::uint64_t h = impl::fnv1a(s);
     unsigned long long v[2] = {h, ~h}, r[2] = {0, 0};
-    check(MPI_Allreduce(v, r, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, state_->comm), "MPI_Allreduce");
+    allreduce(v, r, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX);
     return r[0] == ~r[1];  // max == min
   }
 
@@ -171,24 +209,23 @@ class MpiComm {
 
   /// Collective: the ranks that pass the same `color` form one group (rank order kept).
   Group split(int color) const {
+    barrier("MPI_Comm_split");  // MPI has no nonblocking split: every rank arrives first
     MPI_Comm c;
     check(MPI_Comm_split(state_->comm, color, rank(), &c), "MPI_Comm_split");
     return Group(c);
   }
   /// Collective over `group`: a duplicate of it, for collectives made from another thread
   /// (two threads must never run collectives on the same communicator).
-  Group duplicate(const Group& group) const {
-    MPI_Comm c;
-    check(MPI_Comm_dup(group.comm(), &c), "MPI_Comm_dup");
-    return Group(c);
-  }
+  Group duplicate(const Group& group) const { return Group(dup(group.comm())); }
   /// \brief From a background thread (needs thread_multiple()): broadcasts raw bytes from group
   /// rank `root_index` within `group`, in pieces of at most `max_message` bytes, each an
   /// MPI_Ibcast completed by MPI_Test with sleeps from 20 us doubling up to 1 ms (a blocking
-  /// broadcast would keep a core busy while it waits for the root). Touches no counter; returns {bytes this rank sent as
+  /// broadcast would keep a core busy while it waits for the root), each within `timeout`
+  /// seconds (0: none; then a kfac::Error). Touches no counter; returns {bytes this rank sent as
   /// the root, MPI calls}, for count_sent() on the calling thread.
   static std::pair<std::size_t, std::size_t> broadcast_polling(void* data, std::size_t bytes, int root_index,
-                                                               const Group& group, std::size_t max_message) {
+                                                               const Group& group, std::size_t max_message,
+                                                               double timeout = 0) {
     int gsize = 1, grank = 0;
     MPI_Comm_size(group.comm(), &gsize);
     if (gsize == 1 || bytes == 0) return {0, 0};
@@ -199,9 +236,15 @@ class MpiComm {
       MPI_Request r;
       check(MPI_Ibcast(p + off, int(std::min(max_message, bytes - off)), MPI_BYTE, root_index, group.comm(), &r),
             "MPI_Ibcast");
+      const auto start = std::chrono::steady_clock::now();
       for (int done = 0, pause = 20;; pause = std::min(2 * pause, 1000)) {
         check(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test");
         if (done) break;
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (timeout > 0 && waited > timeout)
+          throw Error("", "MpiComm: a background broadcast of a decomposition (MPI_Ibcast from group rank " +
+                              std::to_string(root_index) + ") did not complete within " + std::to_string(timeout) +
+                              " s; kfac's collectives cannot be used any more: end the job, e.g. with MPI_Abort");
         std::this_thread::sleep_for(std::chrono::microseconds(pause));
       }
     }
@@ -237,7 +280,13 @@ class MpiComm {
     Request& operator=(const Request&) = delete;
     /// Completes the request at once if it is not yet complete (MPI_Waitall): a request must
     /// never be left behind, or the next collective on its group would not match.
-    ~Request() { if (!requests_.empty() || pending_bcast_) wait(); }
+    ~Request() {
+      if (requests_.empty() && !pending_bcast_) return;
+      try {
+        wait();
+      } catch (...) {  // timed out while another error unwinds: the communicator is unusable
+      }
+    }
     /// True when everything is complete; starts a sum's broadcast once its reduce is complete
     /// (`may_start`: false keeps it back, for the ordering above).
     bool test(bool may_start = true) {
@@ -253,8 +302,7 @@ class MpiComm {
     bool holds_back() const { return pending_bcast_; }
     void wait() {
       for (;;) {
-        if (!requests_.empty())
-          check(MPI_Waitall(int(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+        if (!requests_.empty()) state_->dog.wait(requests_.data(), int(requests_.size()), call_, comm_);
         requests_.clear();
         if (!pending_bcast_) return;
         start_pending();
@@ -277,6 +325,8 @@ class MpiComm {
       offsets_ = std::move(o.offsets_);
       pending_bcast_ = o.pending_bcast_;
       data_ = o.data_;
+      state_ = std::move(o.state_);
+      call_ = o.call_;
       count_ = o.count_;
       per_ = o.per_;
       type_ = o.type_;
@@ -288,6 +338,8 @@ class MpiComm {
     std::vector<int> counts_, offsets_;  ///< MPI_Iallgatherv reads them until it completes
     bool pending_bcast_ = false;  ///< a sum to every rank: the broadcast is still to start
     void* data_ = nullptr;
+    std::shared_ptr<State> state_;  ///< its watchdog
+    const char* call_ = "";
     std::size_t count_ = 0, per_ = 1;
     SumType type_;
     MPI_Comm comm_ = MPI_COMM_NULL;
@@ -296,23 +348,17 @@ class MpiComm {
 
   /// Collective: a duplicate of the whole communicator (for nonblocking sums that must not
   /// interleave with the blocking collectives made meanwhile).
-  Group duplicate() const {
-    MPI_Comm c;
-    check(MPI_Comm_dup(state_->comm, &c), "MPI_Comm_dup");
-    return Group(c);
-  }
+  Group duplicate() const { return Group(dup(state_->comm)); }
   /// The nonblocking form of broadcast(): the same pieces, bytes and message counts.
   Request start_broadcast(void* data, std::size_t bytes, int root_index, const Group& group) const {
-    Request r;
-    ++state_->started;
+    Request r = request("MPI_Ibcast", group.comm());
     post_broadcast(r, data, bytes, root_index, group.comm());
     return r;
   }
   /// The nonblocking form of all_gather() (MPI_Iallgatherv; one broadcast per member, in
   /// pieces, beyond max_message_bytes): the same bytes and message counts.
   Request start_all_gather(void* data, const std::vector<std::size_t>& bytes, const Group& group) const {
-    Request r;
-    ++state_->started;
+    Request r = request("MPI_Iallgatherv", group.comm());
     const GatherPlan g = plan_gather(bytes, group);
     auto* p = static_cast<char*>(data);
     if (g.members == 1) return r;
@@ -337,8 +383,7 @@ class MpiComm {
   /// broadcast, in the same pieces, so the same bits, bytes and message counts.
   Request start_sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload, int root,
                     const Group& group) const {
-    Request r;
-    ++state_->started;
+    Request r = request("MPI_Ireduce + MPI_Ibcast (sum)", group.comm());
     if (count == 0 || size() == 1) return r;
     const SumType t = sum_type(payload, scalar_size);
     const bool everyone = root < 0;
@@ -377,6 +422,7 @@ class MpiComm {
   /// (one MPI_Allgatherv; one broadcast per member, in pieces, when the whole exceeds
   /// max_message_bytes). bytes_sent() counts this rank's own part.
   void all_gather(void* data, const std::vector<std::size_t>& bytes, const Group& group) const {
+    state_->dog.check_usable();
     GatherPlan g = plan_gather(bytes, group);
     auto* p = static_cast<char*>(data);
     if (g.members == 1) return;
@@ -386,8 +432,11 @@ class MpiComm {
       return;
     }
     count_gather(bytes, g);
-    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, g.counts.data(), g.offsets.data(), MPI_BYTE, group.comm()),
-          "MPI_Allgatherv");
+    MPI_Request r;
+    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, g.counts.data(), g.offsets.data(), MPI_BYTE,
+                          group.comm(), &r),
+          "MPI_Iallgatherv");
+    state_->dog.wait(&r, 1, "MPI_Allgatherv", group.comm());
   }
 
 
@@ -397,14 +446,19 @@ class MpiComm {
       int init = 0;
       MPI_Initialized(&init);
       if (!init) throw Error("", "MpiComm: MPI is not initialized (call MPI_Init first)");
-      check(MPI_Comm_dup(user, &comm), "MPI_Comm_dup");
+      if (user == MPI_COMM_NULL) throw Error("", "MpiComm: the communicator is MPI_COMM_NULL");
+      comm = idup(user, dog, "MPI_Comm_idup (MpiComm's constructor)");
+      dog.comm = comm;
+      dog.watch = idup(user, dog, "MPI_Comm_idup (MpiComm's constructor)");  // answers once complete
+      MPI_Request r[1];
       MPI_Comm_rank(comm, &rank);
       MPI_Comm_size(comm, &size);
       MPI_Op_create(&impl::bf16_sum, 1, &bf16_op);
       int provided = MPI_THREAD_SINGLE;
       MPI_Query_thread(&provided);
       int all = provided == MPI_THREAD_MULTIPLE ? 1 : 0;
-      check(MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
+      check(MPI_Iallreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm, &r[0]), "MPI_Iallreduce");
+      dog.wait(&r[0], 1, "MPI_Allreduce (MpiComm's constructor)", comm);
       multiple = all == 1;
     }
     ~State() {
@@ -412,12 +466,15 @@ class MpiComm {
       MPI_Finalized(&finalized);
       if (finalized) return;
       MPI_Op_free(&bf16_op);
-      MPI_Comm_free(&comm);
+      if (dog.watch != MPI_COMM_NULL) MPI_Comm_free(&dog.watch);
+      if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
     }
     MPI_Comm comm = MPI_COMM_NULL;
     MPI_Op bf16_op = MPI_OP_NULL;
     int rank = 0, size = 1;
     bool multiple = false;
+    impl::Watchdog dog;
+    long clients = 0;
     std::size_t bytes = 0, messages = 0, started = 0;
     std::size_t max_message = std::size_t(1) << 30;
   };
@@ -452,12 +509,58 @@ class MpiComm {
   static void check(int rc, const char* what) {
     if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
   }
+  /// MPI_Allreduce as MPI_Iallreduce under the watchdog.
+  void allreduce(const void* in, void* out, int n, MPI_Datatype type, MPI_Op op) const {
+    state_->dog.check_usable();
+    MPI_Request r;
+    check(MPI_Iallreduce(in, out, n, type, op, state_->comm, &r), "MPI_Iallreduce");
+    state_->dog.wait(&r, 1, "MPI_Allreduce", state_->comm);
+  }
+  /// Every rank has arrived (MPI_Ibarrier under the watchdog), before a call MPI has only in
+  /// blocking form.
+  void barrier(const char* before) const {
+    state_->dog.check_usable();
+    MPI_Request r;
+    check(MPI_Ibarrier(state_->comm, &r), "MPI_Ibarrier");
+    state_->dog.wait(&r, 1, before, state_->comm);
+  }
+  MPI_Comm dup(MPI_Comm of) const {
+    state_->dog.check_usable();
+    return idup(of, state_->dog, "MPI_Comm_dup");
+  }
+  /// MPI_Comm_idup under `dog`. The new handle is written where MPI may still write it after
+  /// a timeout (a late peer completes the duplication): leaked then, never freed memory.
+  static MPI_Comm idup(MPI_Comm of, impl::Watchdog& dog, const char* call) {
+    auto out = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
+    MPI_Request r;
+    check(MPI_Comm_idup(of, out.get(), &r), "MPI_Comm_idup");
+    try {
+      dog.wait(&r, 1, call, of);
+    } catch (...) {
+      out.release();
+      throw;
+    }
+    return *out;
+  }
+  /// An empty Request of collective `call` on `c`, counted as started.
+  Request request(const char* call, MPI_Comm c) const {
+    state_->dog.check_usable();
+    ++state_->started;
+    Request r;
+    r.state_ = state_;
+    r.call_ = call;
+    r.comm_ = c;
+    return r;
+  }
   void bcast(void* data, std::size_t bytes, int root_index, MPI_Comm c) const {
+    state_->dog.check_usable();
     auto* p = static_cast<char*>(data);
     const std::size_t per = count_broadcast(bytes, root_index, c);
     if (per == 0) return;
     for_each_piece(bytes, per, [&](std::size_t off, int n) {
-      check(MPI_Bcast(p + off, n, MPI_BYTE, root_index, c), "MPI_Bcast");
+      MPI_Request r;
+      check(MPI_Ibcast(p + off, n, MPI_BYTE, root_index, c, &r), "MPI_Ibcast");
+      state_->dog.wait(&r, 1, "MPI_Bcast", c);
     });
   }
   /// bcast() as MPI_Ibcast requests added to `r`.
@@ -476,13 +579,18 @@ class MpiComm {
     const bool everyone = root < 0;
     const int to = everyone ? 0 : root;
     auto* p = static_cast<char*>(data);
+    state_->dog.check_usable();
     for_each_piece(count, count_sum(count, t, everyone), [&](std::size_t first, int n) {
       void* at = p + first * t.size;
+      MPI_Request r;
       if (rank() == to)
-        check(MPI_Reduce(MPI_IN_PLACE, at, n, t.type, t.op, to, state_->comm), "MPI_Reduce");
+        check(MPI_Ireduce(MPI_IN_PLACE, at, n, t.type, t.op, to, state_->comm, &r), "MPI_Ireduce");
       else
-        check(MPI_Reduce(at, nullptr, n, t.type, t.op, to, state_->comm), "MPI_Reduce");
-      if (everyone) check(MPI_Bcast(at, n, t.type, 0, state_->comm), "MPI_Bcast");
+        check(MPI_Ireduce(at, nullptr, n, t.type, t.op, to, state_->comm, &r), "MPI_Ireduce");
+      state_->dog.wait(&r, 1, "MPI_Reduce (sum)", state_->comm);
+      if (!everyone) return;
+      check(MPI_Ibcast(at, n, t.type, 0, state_->comm, &r), "MPI_Ibcast");
+      state_->dog.wait(&r, 1, "MPI_Bcast (sum)", state_->comm);
     });
   }
   /// Calls f(first, n) for the pieces of `count` values, `per` at a time.

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kfac/core/agreement.hpp"
 #include "kfac/core/block.hpp"
 #include "kfac/distributed/bucketed_sum.hpp"
 #include "kfac/distributed/comm_precision.hpp"
@@ -70,6 +71,7 @@ class ParameterAverager {
   /// Throws (on every rank alike) when the ranks registered different views, a weight is
   /// negative or not finite, or all weights are 0; nothing is changed then.
   void average(double weight = 1.0) {
+    [[maybe_unused]] const auto scope = impl::comm_scope(comm_, "ParameterAverager::average, average " + std::to_string(averages_ + 1));
     collectives_ = 0;
     const bool bad = !(weight >= 0) || !std::isfinite(weight);
     if (comm_.size() == 1) {  // the identity; the weight is still checked
@@ -113,13 +115,8 @@ class ParameterAverager {
  private:
   /// One collective (a hash over ranks): the same number, sizes and types of views everywhere.
   void check_same_views() {
-    std::string sig = "parameter_averager:" + std::to_string(buffers_.size()) + ";";
-    for (const auto& b : buffers_) sig += std::to_string(b.scalar_size) + "x" + std::to_string(b.count) + ";";
     ++collectives_;
-    if (!comm_.all_equal(sig))
-      throw Error("", "ParameterAverager: ranks registered different parameter views (count, sizes or "
-                      "types; rank " + std::to_string(comm_.rank()) + " has " + std::to_string(buffers_.size()) +
-                      " view(s): " + sig + "); nothing was averaged");
+    impl::check_same_buffers(comm_, buffers_, "ParameterAverager");
     checked_ = true;
   }
 

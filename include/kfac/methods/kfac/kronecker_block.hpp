@@ -159,7 +159,17 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   index_t weight_cols() const override { return layer_.weight_cols(); }
   bool has_bias() const override { return layer_.bias(); }
 
-  std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
+  std::string check_input(const impl::Extents& e) const override {
+    std::string why = layer_.check_input(e);
+    const std::size_t k = std::size_t(a_count_);
+    if (!why.empty() || k >= g_extents_.size()) return why;
+    // The output gradient it pairs with was observed first: check that pair now.
+    const std::string pair = g_extents_[k][0] != e[0] ? "the batches differ" : layer_.check_output_grad(g_extents_[k], e);
+    if (pair.empty()) return {};
+    return "input has shape " + impl::extents_string(e.data(), 4) + " but the output gradient observed before it " +
+           "(observation " + std::to_string(k + 1) + " of this step) has shape " +
+           impl::extents_string(g_extents_[k].data(), 4) + ": " + pair;
+  }
   /// The k-th output gradient of a step pairs with the k-th input of the step (the order
   /// BatchNorm2d requires too). A batch mismatch is refused here, with the bad observation
   /// kept out; step()'s sample-count check could only refuse the whole pending update, which
@@ -178,7 +188,8 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
                  layer_.a_rows(e), na_);
     layer_.fill_a_rows(exec, x, rows);
-    fold(exec, rows, a_count_++ == 0, na_, a_pending_);
+    fold(exec, rows, a_count_ == 0, na_, a_pending_);  // may throw (allocation): nothing counted yet
+    ++a_count_;
     a_trace_ = impl::pending_trace<diagonal>(exec, a_pending_);
     a_norm_ += layer_.a_normalizer(e);
     a_samples_ += e[0];
@@ -190,10 +201,12 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
                  layer_.g_rows(e), ng_);
     layer_.fill_g_rows(exec, g, scale, rows);
-    fold(exec, rows, g_count_++ == 0, ng_, g_pending_);
+    fold(exec, rows, g_count_ == 0, ng_, g_pending_);
+    ++g_count_;
     g_trace_ = impl::pending_trace<diagonal>(exec, g_pending_);
     g_norm_ += layer_.g_normalizer(e);
     g_samples_ += e[0];
+    g_extents_.push_back(e);
   }
   double observations_scale() const override {
     return std::max(a_norm_ > 0 ? a_trace_ / a_norm_ : 0.0, g_norm_ > 0 ? g_trace_ / g_norm_ : 0.0);
@@ -221,6 +234,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     a_pending_ = PMatrix();  // released, so that memory_report() after a step shows none pending
     g_pending_ = PMatrix();
     a_extents_.clear();
+    g_extents_.clear();
     a_norm_ = g_norm_ = 0;
     a_trace_ = g_trace_ = 0;
     a_samples_ = g_samples_ = 0;
@@ -515,6 +529,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   index_t na_, ng_;
   impl::Extents last_input_{0, 0, 0, 0};
   std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
+  std::vector<impl::Extents> g_extents_;  // of this step's output gradients, likewise
   PMatrix a_pending_, g_pending_;  // sum of R^T R over this step's observations (upper triangle)
   int a_count_ = 0, g_count_ = 0;   // observations folded in this step
   double a_norm_ = 0, g_norm_ = 0;

@@ -1,0 +1,231 @@
+#pragma once
+/// \file watchdog.hpp
+/// \brief No collective of kfac waits forever: every collective MpiComm makes is started as a
+/// nonblocking one and polled until it completes or its deadline passes (MpiComm::with_timeout,
+/// default 600 s, or `KFAC_COMM_TIMEOUT=<seconds>` in the environment; 0: no deadline). A rank
+/// whose peers do not arrive in time throws a kfac::Error that names the call, what kfac was
+/// doing (the step and layer, where known: MpiComm::scope) and, for each peer, whether it was
+/// waiting in the same collective, in another one (which), or in none. The model is PyTorch's
+/// process-group timeout.
+///
+/// How the peers are asked: while it waits, a rank answers questions on a duplicate of kfac's
+/// communicator (tags kQuery / kAnswer); a rank that times out asks every member of the late
+/// collective and waits a grace period (a quarter of the timeout, between 0.2 and 2 s) for the
+/// answers. A peer that does not answer is not inside a kfac collective on this communicator:
+/// computing, blocked elsewhere, or gone.
+///
+/// A collective that timed out cannot be cancelled (MPI has no such call): the communicator is
+/// then unusable, every later collective on it throws at once, and the job should end
+/// (MPI_Abort), as PyTorch's watchdog ends it.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <list>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kfac/error.hpp"
+
+namespace kfac {
+namespace impl {
+
+/// The deadline of kfac's collectives when none is set: `KFAC_COMM_TIMEOUT` seconds when the
+/// variable is set (0: none), else 600 s.
+inline double default_comm_timeout() {
+  const char* env = std::getenv("KFAC_COMM_TIMEOUT");
+  if (env == nullptr || *env == '\0') return 600.0;
+  char* end = nullptr;
+  const double v = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(v >= 0) || !std::isfinite(v))
+    throw Error("", "KFAC_COMM_TIMEOUT='" + std::string(env) +
+                        "': expected a number of seconds >= 0 (0: collectives wait without a deadline)");
+  return v;
+}
+
+/// \brief The deadline and the answers to late peers' questions of one MpiComm (shared by its
+/// copies). Used by the calling thread only.
+class Watchdog {
+ public:
+  static constexpr int kQuery = 1, kAnswer = 2;
+  double timeout = default_comm_timeout();
+  MPI_Comm comm = MPI_COMM_NULL;   ///< kfac's communicator
+  MPI_Comm watch = MPI_COMM_NULL;  ///< questions and answers (a duplicate of comm)
+  std::string context;             ///< what kfac is doing (MpiComm::scope)
+
+  /// Throws when an earlier collective timed out.
+  void check_usable() const {
+    if (!broken_.empty()) throw Error("", broken_ + " (an earlier collective timed out; nothing more was sent)");
+  }
+
+  /// Completes the `n` requests of collective `call` on `on` (kfac's communicator or one of its
+  /// groups), or throws when the deadline passes.
+  void wait(MPI_Request* r, int n, const char* call, MPI_Comm on) {
+    if (n == 0) return;
+    if (on == comm) ++seq_;
+    if (!(timeout > 0)) {
+      check(MPI_Waitall(n, r, MPI_STATUSES_IGNORE), call);
+      return;
+    }
+    Waiting here(*this, call);
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout));
+    int pause_us = 0;
+    for (long it = 0;; ++it) {
+      int done = 0;
+      check(MPI_Testall(n, r, &done, MPI_STATUSES_IGNORE), call);
+      if (done) return;
+      if (it % 64 != 63) continue;  // poll as MPI's blocking calls do; look at the clock now and then
+      answer_questions();
+      const auto now = clock::now();
+      if (now > deadline) time_out(call, on, std::chrono::duration<double>(now - start).count());
+      if (now - start > std::chrono::milliseconds(10)) {  // a long wait: leave the core to others
+        pause_us = std::min(std::max(2 * pause_us, 20), 1000);
+        std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+      }
+    }
+  }
+
+  /// Answers the questions of peers that timed out (from inside a wait).
+  void answer_questions() {
+    if (watch == MPI_COMM_NULL) return;
+    sent_.remove_if([](Answer& a) {
+      int done = 0;
+      MPI_Test(&a.request, &done, MPI_STATUS_IGNORE);
+      return done != 0;
+    });
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      MPI_Iprobe(MPI_ANY_SOURCE, kQuery, watch, &flag, &st);
+      if (!flag) return;
+      long question = 0;
+      MPI_Recv(&question, 1, MPI_LONG, st.MPI_SOURCE, kQuery, watch, MPI_STATUS_IGNORE);
+      sent_.emplace_back();
+      Answer& a = sent_.back();
+      a.report = report();
+      MPI_Isend(&a.report, int(sizeof(Report)), MPI_BYTE, st.MPI_SOURCE, kAnswer, watch, &a.request);
+    }
+  }
+
+ private:
+  /// What a rank tells a peer that asks: how many collectives on kfac's communicator it has
+  /// waited for, and in which one it waits now.
+  struct Report {
+    long seq = 0;
+    char what[160] = {};
+  };
+  struct Answer {
+    Report report;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+  /// Marks the calling rank as waiting in `call` for the duration of a wait.
+  struct Waiting {
+    Watchdog& d;
+    Waiting(Watchdog& dog, const char* call) : d(dog) { d.call_ = call; }
+    ~Waiting() { d.call_ = nullptr; }
+  };
+
+  long seq_ = 0, question_ = 0;
+  const char* call_ = nullptr;
+  std::string broken_;
+  std::list<Answer> sent_;
+
+  static void check(int rc, const char* what) {
+    if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
+  }
+  std::string describe() const {
+    return std::string(call_ ? call_ : "?") + (context.empty() ? "" : " (" + context + ")");
+  }
+  Report report() const {
+    Report r;
+    r.seq = seq_;
+    std::snprintf(r.what, sizeof(r.what), "%s", describe().c_str());
+    return r;
+  }
+
+  [[noreturn]] void time_out(const char* call, MPI_Comm on, double waited) {
+    int me = 0;
+    MPI_Comm_rank(comm != MPI_COMM_NULL ? comm : MPI_COMM_WORLD, &me);
+    char secs[64];
+    std::snprintf(secs, sizeof(secs), "%.3g s (timeout %g s)", waited, timeout);
+    broken_ = "MpiComm: " + describe() + " on rank " + std::to_string(me) + " did not complete within " + secs +
+              ": " + ask_peers(on, me) +
+              "; kfac's collectives on this communicator cannot be used any more (an MPI collective cannot be "
+              "cancelled): end the job, e.g. with MPI_Abort";
+    (void)call;
+    throw Error("", broken_);
+  }
+
+  /// Asks every other member of `on` what it is doing; returns who did not arrive.
+  std::string ask_peers(MPI_Comm on, int me) {
+    if (watch == MPI_COMM_NULL || on == MPI_COMM_NULL)
+      return "the peers could not be asked (kfac's communicator was still being made)";
+    MPI_Group g_on, g_all;
+    MPI_Comm_group(on, &g_on);
+    MPI_Comm_group(comm, &g_all);
+    int n = 0;
+    MPI_Group_size(g_on, &n);
+    const std::size_t members = static_cast<std::size_t>(n);
+    std::vector<int> local(members), world(members);
+    std::iota(local.begin(), local.end(), 0);
+    MPI_Group_translate_ranks(g_on, n, local.data(), g_all, world.data());
+    MPI_Group_free(&g_on);
+    MPI_Group_free(&g_all);
+    const Report mine = report();
+    std::vector<Report> answers(members);
+    std::vector<MPI_Request> asked(members, MPI_REQUEST_NULL), heard(members, MPI_REQUEST_NULL);
+    question_ = seq_;
+    for (int k = 0; k < n; ++k) {
+      if (world[std::size_t(k)] == me) continue;
+      MPI_Isend(&question_, 1, MPI_LONG, world[std::size_t(k)], kQuery, watch, &asked[std::size_t(k)]);
+      MPI_Irecv(&answers[std::size_t(k)], int(sizeof(Report)), MPI_BYTE, world[std::size_t(k)], kAnswer, watch,
+                &heard[std::size_t(k)]);
+    }
+    const double grace = std::min(2.0, std::max(0.2, timeout / 4));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace);
+    std::vector<int> got(members, 0);
+    for (bool all = false; !all && std::chrono::steady_clock::now() < until;) {
+      all = true;
+      for (int k = 0; k < n; ++k) {
+        if (heard[std::size_t(k)] != MPI_REQUEST_NULL && !got[std::size_t(k)])
+          MPI_Test(&heard[std::size_t(k)], &got[std::size_t(k)], MPI_STATUS_IGNORE);
+        all = all && (world[std::size_t(k)] == me || got[std::size_t(k)]);
+      }
+      answer_questions();
+      if (!all) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::string late, arrived;
+    for (int k = 0; k < n; ++k) {
+      const int p = world[std::size_t(k)];
+      if (p == me) continue;
+      if (!got[std::size_t(k)]) {
+        MPI_Cancel(&heard[std::size_t(k)]);
+        MPI_Wait(&heard[std::size_t(k)], MPI_STATUS_IGNORE);
+      }
+      int sent = 0;
+      MPI_Test(&asked[std::size_t(k)], &sent, MPI_STATUS_IGNORE);
+      if (!sent) MPI_Request_free(&asked[std::size_t(k)]);
+      const Report& a = answers[std::size_t(k)];
+      if (got[std::size_t(k)] && a.seq == mine.seq && std::string(a.what) == mine.what) {
+        arrived += (arrived.empty() ? "" : ", ") + std::to_string(p);
+        continue;
+      }
+      late += (late.empty() ? "" : ", ") + std::to_string(p) +
+              (got[std::size_t(k)] ? " (waiting in " + std::string(a.what) + " instead)"
+                                   : " (no answer: not inside a kfac collective on this communicator)");
+    }
+    return "rank(s) that did not arrive: " + (late.empty() ? std::string("none") : late) +
+           (arrived.empty() ? "" : "; waiting in it too: rank(s) " + arrived);
+  }
+};
+
+}  // namespace impl
+}  // namespace kfac
