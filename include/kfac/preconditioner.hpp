@@ -165,7 +165,7 @@ class Preconditioner {
 
   /// \brief Runs one step; see the class description. On a kfac::Error nothing changed.
   void step() {
-    [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::step at step " + std::to_string(step_));
+    [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::step at step ", step_);
     // Everything this rank can find wrong is found before the step's first collective, and
     // agreed on in one allreduce: every rank throws the same error, or skips, together.
     std::vector<impl::Due> due(reg_.size());
@@ -227,8 +227,8 @@ class Preconditioner {
   /// layer names and signatures) as a versioned, checksummed stream (format: serializer.hpp).
   /// With Options::reduce_to_owner, collective: the owners share the global factors first.
   void save(std::ostream& os, bool with_decompositions = true) const {
-    [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::save at step " + std::to_string(step_) +
-                                                            " (collective with reduce_to_owner: every rank calls it)");
+    [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::save at step ", step_,
+                                                             " (collective with reduce_to_owner: every rank calls it)");
     impl::share_owned_factors(exec_, reg_, dist_, options_, dist_.assignment().layers());
     const long counters[3] = {step_, last_factor_step_, last_inv_step_};
     impl::save_checkpoint(os, reg_, counters, communicator().size(), communicator().rank(), with_decompositions);

@@ -39,11 +39,20 @@ long next_client_of(const C& c) {
   if constexpr (has_clients<C>::value) return c.next_client();
   else return 0;
 }
-/// `c.scope(what)` where the communicator names scopes in its timeout messages.
-template <class C>
-auto comm_scope(const C& c, std::string what) {
-  if constexpr (has_clients<C>::value) return c.scope(std::move(what));
-  else return 0;
+inline void append_part(std::string& s, const std::string& part) { s += part; }
+inline void append_part(std::string& s, const char* part) { s += part; }
+inline void append_part(std::string& s, long part) { s += std::to_string(part); }
+/// `c.scope(parts...)` (strings and numbers, joined) where the communicator names scopes in
+/// its timeout messages; nothing is built for one that does not.
+template <class C, class... Parts>
+auto comm_scope(const C& c, const Parts&... parts) {
+  if constexpr (has_clients<C>::value) {
+    std::string what;
+    (append_part(what, parts), ...);
+    return c.scope(what);
+  } else {
+    return 0;
+  }
 }
 
 /// Hash of the hyperparameter values in force at this step: the global ones and every

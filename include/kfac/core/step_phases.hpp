@@ -110,6 +110,7 @@ class StepPhases {
   /// step also decomposes, the old statistics are kept first, for a rollback.
   void update_statistics() {
     const ScopedRegion region("kfac::step::statistics");
+    [[maybe_unused]] const auto scope = comm_scope(dist_.comm(), "statistics");
     const bool decomposes = decomposes_now();
     std::vector<FactorBuffer> averaged;
     for (std::size_t l = 0; l < reg_.size(); ++l) {
@@ -158,6 +159,7 @@ class StepPhases {
   /// anywhere, every rank restores its state, drops the decompositions due to be swapped in,
   /// and throws. Returns the number of damping retries that were needed.
   long decompose() {
+    [[maybe_unused]] const auto scope = comm_scope(dist_.comm(), "decompositions");
     long retries = 0;
     if (decomposes_now()) retries = decompose_now();
     for (std::size_t l = 0; l < reg_.size(); ++l)
@@ -234,9 +236,11 @@ class StepPhases {
     const bool overlap = dist_.overlaps();
     std::vector<int> passes(reg_.size(), 0);  // of the divided applies; 0: applied whole
     std::vector<char> divided(reg_.size(), 0), later(reg_.size(), 0);
+    [[maybe_unused]] const auto scope = comm_scope(dist_.comm(), "preconditioning");
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       auto& e = reg_[l];
       if (e.skipped) continue;
+      [[maybe_unused]] const auto layer_scope = comm_scope(dist_.comm(), "layer '", e.block->name(), "'");
       settle(l);  // its units arrive while the layers before it are preconditioned
       divided[l] = dist_.split_parts(o_, l) > 1 && e.block->split_passes() > 0;
       e.block->load_gradient(exec_, e.w, e.b);  // receivers too: X enters the KL-clip sum

@@ -69,11 +69,11 @@ class MpiComm {
   }
   double timeout() const { return state_->dog.timeout; }
   /// \brief Names what the caller is doing in a timeout's message, until the Scope ends
-  /// (e.g. "Preconditioner::step at step 12"); scopes nest.
+  /// (e.g. "Preconditioner::step at step 12"); a nested scope adds to its outer one.
   class Scope {
    public:
-    Scope(const MpiComm& c, std::string what) : dog_(c.state_->dog), old_(std::move(dog_.context)) {
-      dog_.context = std::move(what);
+    Scope(const MpiComm& c, const std::string& what) : dog_(c.state_->dog), old_(dog_.context) {
+      dog_.context = old_.empty() ? what : old_ + ", " + what;
     }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;

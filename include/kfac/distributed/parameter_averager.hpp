@@ -71,7 +71,7 @@ class ParameterAverager {
   /// Throws (on every rank alike) when the ranks registered different views, a weight is
   /// negative or not finite, or all weights are 0; nothing is changed then.
   void average(double weight = 1.0) {
-    [[maybe_unused]] const auto scope = impl::comm_scope(comm_, "ParameterAverager::average, average " + std::to_string(averages_ + 1));
+    [[maybe_unused]] const auto scope = impl::comm_scope(comm_, "ParameterAverager::average, average ", averages_ + 1);
     collectives_ = 0;
     const bool bad = !(weight >= 0) || !std::isfinite(weight);
     if (comm_.size() == 1) {  // the identity; the weight is still checked
