@@ -10,6 +10,7 @@
 #include <kfac/distributed/parameter_averager.hpp>
 #include <kfac/kfac.hpp>
 #include <kfac/methods/ngsgd/ngsgd.hpp>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -265,4 +266,57 @@ TEST_CASE("NG-SGD under Independent sends nothing per step", "[mpi][ngsgd][indep
   mine.add_to(avg);
   avg.maybe_average(1);
   CHECK(comm.bytes_sent() == (world_size() > 1 ? 2 * (16 + mine.bytes()) : 0));
+}
+
+// Kaldi's parallel recipe: fresh jobs read the averaged model, so each job's NG-SGD estimates
+// start again after every average, and every job trains with P times the learning rate. With
+// with_after_average building a new Preconditioner, the job's gradients after an average are
+// bit for bit those of a preconditioner that saw only the data since; by default (nothing
+// runs) the estimates carry over and the gradients differ.
+TEST_CASE("ParameterAverager: Kaldi's restart of NG-SGD after each average, and its learning rate",
+          "[mpi][ngsgd][restart]") {
+  kfac::MpiComm comm;
+  using Pre = kfac::Preconditioner<double, Host, kfac::MpiComm, kfac::Independent>;
+  const auto make = [&] {
+    auto pre = std::make_unique<Pre>(kfac::Options{}.with_kl_clip(0.0), Host{}, comm);
+    pre->register_layer("fc", kfac::Dense(6, 5), kfac::NGSGD{}.with_rank(2));
+    return pre;
+  };
+  const Params mine(world_rank());
+  for (bool restart : {false, true}) {
+    INFO((restart ? "restart" : "keep") << " at " << world_size() << " ranks");
+    std::unique_ptr<Pre> pre = make(), fresh;  // fresh: sees only the data since the average
+    kfac::ParameterAverager<kfac::MpiComm> avg(comm, 4);
+    mine.add_to(avg);
+    long restarts = 0;
+    if (restart) avg.with_after_average([&] { pre = make(); ++restarts; });
+    Rng rng(70 + world_rank());
+    int same = 0;
+    for (int step = 0; step < 8; ++step) {  // averages after steps 3 and 7
+      if (step == 4) fresh = make();
+      V2 x = random_view<double>(8, 6, rng), g = random_view<double>(8, 5, rng), w = random_view<double>(5, 6, rng);
+      auto b = random_vector<double>(5, rng);
+      V2 w2("w2", 5, 6);
+      V1<double> b2("b2", 5);
+      Kokkos::deep_copy(w2, w);
+      Kokkos::deep_copy(b2, b);
+      for (Pre* q : {pre.get(), fresh.get()}) {
+        if (!q) continue;
+        if (q->wants_observations("fc")) { q->observe_input("fc", x); q->observe_output_grad("fc", g); }
+        q == pre.get() ? q->set_gradient("fc", w, b) : q->set_gradient("fc", w2, b2);
+        q->step();
+      }
+      if (fresh) same += std::memcmp(w.data(), w2.data(), 30 * 8) == 0 && std::memcmp(b.data(), b2.data(), 5 * 8) == 0;
+      avg.maybe_average(step);
+    }
+    CHECK(restarts == (restart ? 2 : 0));
+    CHECK(same == (restart ? 4 : 0));
+    // a failed average runs nothing
+    CHECK_THROWS_AS(avg.average(-1.0), kfac::Error);
+    CHECK(restarts == (restart ? 2 : 0));
+  }
+  kfac::ParameterAverager<kfac::MpiComm> avg(comm, 4);
+  CHECK(avg.learning_rate(0.05) == 0.05);  // the default: each job as one
+  avg.with_lr_times_jobs(true);
+  CHECK(avg.learning_rate(0.05) == 0.05 * world_size());
 }

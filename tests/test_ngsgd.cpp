@@ -1,5 +1,7 @@
 // NG-SGD (Kaldi's online natural gradient): the block's estimates and preconditioned gradients
-// against a dense double implementation of the same recurrence written here with Eigen; the
+// against a dense double implementation of the same recurrence written here with Eigen (with
+// the former settings, NGSGD::with_legacy_defaults; test_ngsgd_kaldi.cpp checks the defaults
+// against a model of Kaldi's code); the
 // estimate's convergence on rows of a known covariance; Kaldi's scale; identities; mixed
 // registration; settings and NaN checks that leave everything unchanged; checkpoints.
 #include <Eigen/Dense>
@@ -9,6 +11,7 @@
 #include <sstream>
 
 #include "helpers.hpp"
+#include "kaldi_ngsgd_reference.hpp"
 
 using namespace kfac_test;
 using Eigen::VectorXd;
@@ -50,13 +53,9 @@ struct RefFisher {
     const double eta = 1 - std::exp(-samples / s.num_samples_history);
     const Dense_ t = eta * rows.transpose() * rows / norm + (1 - eta) * dense();
     const Dense_ y = r * t;
-    Eigen::SelfAdjointEigenSolver<Dense_> es(y * y.transpose());
-    VectorXd c = es.eigenvalues().reverse();
-    const Dense_ u = es.eigenvectors().rowwise().reverse();
-    bool reorth = c(0) > 1e6 * c(rank - 1);
-    const double floor = std::pow(rho * (1 - eta), 2);
-    for (int i = 0; i < rank; ++i)
-      if (c(i) < floor) { c(i) = floor; reorth = true; }
+    VectorXd c;
+    Dense_ u;
+    const bool reorth = kaldi_ref::sorted_floored_eig(y * y.transpose(), std::pow(rho * (1 - eta), 2), c, u);
     const VectorXd sc = c.cwiseSqrt();
     double rho1 = (t.trace() - sc.sum()) / (dim - rank);
     d = (sc.array() - rho1).max(s.epsilon).matrix();
@@ -154,7 +153,7 @@ struct DenseCase {
 void run_dense_case(const DenseCase& c, int steps) {
   Pre pre(plain_options());
   auto method = kfac::NGSGD{}.with_rank_in(c.rank_in).with_rank_out(c.rank_out).with_update_period(c.period)
-                    .with_num_samples_history(300);
+                    .with_num_samples_history(300).with_legacy_defaults();
   pre.register_layer("fc", kfac::Dense(c.in, c.out, c.bias), method);
   const auto& blk = pre.layer_as<NgLayer<kfac::Dense>>("fc");
   RefLayer ref(c.in + c.bias, c.out, blk.settings());
@@ -210,6 +209,17 @@ TEST_CASE("NG-SGD defaults follow Kaldi's", "[ngsgd][settings]") {
   CHECK(s.recurrence.alpha == 4);
   CHECK(s.recurrence.epsilon == 1e-10);
   CHECK(s.recurrence.delta == 5e-4);
+  CHECK(s.recurrence.eta_cap == 0.9);
+  CHECK(s.recurrence.relative_d_floor);
+  CHECK(s.initial_updates == 11);
+  CHECK(s.init_iterations == 0);  // Kaldi's rule: 1 or 3
+  CHECK(s.symmetry_breaker == 1.1);
+  const auto legacy = kfac::NGSGD{}.with_legacy_defaults().settings_for(kfac::Dense(784, 256));
+  CHECK(legacy.recurrence.eta_cap == 1);
+  CHECK(!legacy.recurrence.relative_d_floor);
+  CHECK(legacy.initial_updates == 0);
+  CHECK(legacy.init_iterations == 3);
+  CHECK(legacy.symmetry_breaker == 1);
   const auto small = kfac::NGSGD{}.settings_for(kfac::Dense(9, 30));
   CHECK(small.rank_in == 5);   // (9 + 1) / 2
   CHECK(small.rank_out == 15); // (30 + 1) / 2
@@ -226,7 +236,8 @@ TEST_CASE("NG-SGD Conv2d equals the dense reference step by step", "[ngsgd][refe
   const int n = 3, c = 2, o = 4, h = 5, w = 5, k = 3;  // stride 1, padding 1: 5 x 5 outputs
   Pre pre(plain_options());
   pre.register_layer("conv", kfac::Conv2d(c, o, k, k).with_padding(1, 1),
-                     kfac::NGSGD{}.with_rank_in(6).with_rank_out(2).with_update_period(2).with_num_samples_history(50));
+                     kfac::NGSGD{}.with_rank_in(6).with_rank_out(2).with_update_period(2).with_num_samples_history(50)
+                         .with_legacy_defaults());
   const auto& blk = pre.layer_as<NgLayer<kfac::Conv2d>>("conv");
   RefLayer ref(c * k * k + 1, o, blk.settings());
   Rng rng(5);
@@ -439,7 +450,7 @@ TEST_CASE("NG-SGD, K-FAC and BatchNorm's unit-wise Fisher in one preconditioner"
     auto gam = random_vector<double>(3, rng), bet = random_vector<double>(3, rng);
     DenseBatch e1 = d1.twin(), e2 = d2.twin();
     auto gam2 = clone(gam), bet2 = clone(bet);
-    CHECK(mixed.wants_observations("fc1") == (step % 3 == 0));
+    CHECK(mixed.wants_observations("fc1") == (step <= 10 || (step - 10) % 3 == 0));
     CHECK(mixed.wants_observations("fc2"));
     if (mixed.wants_observations("fc1")) { d1.feed(mixed, "fc1"); e1.feed(ng_only, "fc1"); }
     else { mixed.set_gradient("fc1", d1.w, d1.b); ng_only.set_gradient("fc1", e1.w, e1.b); }
@@ -481,6 +492,12 @@ TEST_CASE("NG-SGD bad settings are refused at registration, naming the layer", "
   refused(kfac::NGSGD{}.with_alpha(-0.5), {"alpha"});
   refused(kfac::NGSGD{}.with_epsilon(0), {"epsilon"});
   refused(kfac::NGSGD{}.with_delta(1.5), {"delta"});
+  refused(kfac::NGSGD{}.with_eta_cap(0), {"eta_cap = 0"});
+  refused(kfac::NGSGD{}.with_eta_cap(1.5), {"eta_cap = 1.5"});
+  refused(kfac::NGSGD{}.with_initial_updates(-1), {"initial_updates = -1"});
+  refused(kfac::NGSGD{}.with_init_iterations(-2), {"init_iterations = -2"});
+  refused(kfac::NGSGD{}.with_symmetry_breaker(0), {"symmetry_breaker = 0"});
+  refused(kfac::NGSGD{}.with_symmetry_breaker(std::nan("")), {"symmetry_breaker"});
   expect_error([&] { pre.register_layer("badconv", kfac::Conv2d(2, 3, 3, 3), kfac::NGSGD{}.with_rank_in(19)); },
                "badconv", {"rank_in = 19", "< 19"});
   pre.register_layer("bad", kfac::Dense(4, 3), kfac::NGSGD{}.with_rank_in(4));  // the name is still free

@@ -55,7 +55,7 @@ TEST_CASE("NG-SGD lowers the training loss faster than SGD", "[training][ngsgd][
   const auto ngsgd = losses(data, s, 2);
   REQUIRE(ngsgd.size() == 32);
   INFO("sgd " << tail(sgd) << ", ngsgd " << tail(ngsgd));
-  CHECK(tail(ngsgd) < 0.8 * tail(sgd));  // measured 0.386 against 0.574 (0.67x)
+  CHECK(tail(ngsgd) < 0.8 * tail(sgd));  // measured 0.358 against 0.574 (0.62x); 0.386 with the former NG-SGD defaults
   CHECK(losses(data, s, 2) == ngsgd);    // bitwise
 }
 

@@ -6,6 +6,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,12 @@ namespace kfac {
 /// GradientAverager): buckets are packed and unpacked by kernels on `Exec` into a staging view
 /// in its memory, and a communicator that cannot read that memory gets a host copy of the
 /// packed bucket. The weights are host scalars.
+///
+/// What happens to each job's other state at an average is the caller's: by default nothing
+/// (kfac keeps each rank's NG-SGD estimates across averages). Kaldi's recipe starts fresh jobs
+/// from the averaged model, so their NG-SGD estimates start again, and trains each of the P
+/// jobs with P times the learning rate: with_after_average (e.g. constructing a new
+/// Preconditioner) and with_lr_times_jobs / learning_rate offer both (docs/parameter_averaging.md).
 /// \tparam Comm SerialComm or MpiComm.
 /// \tparam Exec the execution space whose memory holds the parameters (the host's by default;
 ///         `Kokkos::DefaultExecutionSpace` for device views).
@@ -51,6 +58,22 @@ class ParameterAverager {
     if (every_ < 1) throw Error("", "ParameterAverager: every must be >= 1 (got " + std::to_string(every_) + ")");
     if (bucket_bytes_ < 8) throw Error("", "ParameterAverager: bucket_bytes must be at least 8");
   }
+
+  /// \brief `f` runs on every rank after each completed average() (also on one rank; not when
+  /// the average throws), e.g. to re-initialise the job's NG-SGD estimates as Kaldi's fresh
+  /// jobs do. Default: nothing runs (estimates are kept across averages).
+  ParameterAverager& with_after_average(std::function<void()> f) {
+    after_average_ = std::move(f);
+    return *this;
+  }
+  /// \brief Kaldi's learning-rate rule for P jobs: learning_rate(lr) is P lr when on, lr when
+  /// off (the default).
+  ParameterAverager& with_lr_times_jobs(bool on) {
+    lr_times_jobs_ = on;
+    return *this;
+  }
+  /// The learning rate each job should train with, given the single-job rate `lr`.
+  double learning_rate(double lr) const { return lr_times_jobs_ ? lr * comm_.size() : lr; }
 
   /// Registers a parameter (or momentum) view; its storage must outlive the averager.
   template <class View>
@@ -77,6 +100,7 @@ class ParameterAverager {
     if (comm_.size() == 1) {  // the identity; the weight is still checked
       if (bad || weight == 0) throw Error("", "ParameterAverager: weight " + std::to_string(weight) + ": expected a finite value > 0 on one rank");
       ++averages_;
+      if (after_average_) after_average_();
       return;
     }
     const std::size_t sent_before = comm_.bytes_sent();
@@ -101,6 +125,7 @@ class ParameterAverager {
     collectives_ += impl::bucketed_sum<double>(exec, comm_, buffers_, bucket_bytes_, weight, 1.0 / w[0], staging_);
     bytes_ += comm_.bytes_sent() - sent_before;
     ++averages_;
+    if (after_average_) after_average_();
   }
 
   /// Collectives used by the last average() (the view check included).
@@ -127,6 +152,8 @@ class ParameterAverager {
   bool checked_ = false;
   std::size_t collectives_ = 0, bytes_ = 0;
   long averages_ = 0;
+  std::function<void()> after_average_;
+  bool lr_times_jobs_ = false;
   Kokkos::View<char*, memory_space> staging_;
 };
 

@@ -24,17 +24,26 @@ namespace kfac {
 /// |---|---|---|---|
 /// | long | rank_in | rank r of the input-side estimate, 0 <= r < in + bias | min(20, (in + 1)/2), at most in + bias - 1 |
 /// | long | rank_out | rank of the output-side estimate, 0 <= r < out | min(80, (out + 1)/2), at most out - 1 |
-/// | long | update_period | minibatches between updates of the estimates (>= 1) | 4 |
-/// | double | num_samples_history | samples the estimate remembers: a minibatch of N samples has weight \f$\eta = 1 - e^{-N/h}\f$ (> 0) | 2000 |
+/// | long | update_period | steps between updates of the estimates after the first initial_updates (>= 1) | 4 |
+/// | long | initial_updates | the first steps, each of which updates (Kaldi: its 10 initial updates after the first call, so 11; 0 or 1: steps 0, P, 2P, ..., kfac before 2026-12-03) | 11 |
+/// | long | init_iterations | recurrence steps on the first minibatch before the first update (>= 0); 0: Kaldi's 1 when a side's first minibatch has <= rank rows, else 3 | 0 |
+/// | double | symmetry_breaker | first entry of each row of the starting basis before normalising (others 1); 1: equal entries (kfac before 2026-12-03), which keeps the all-ones vector in the start subspace | 1.1 |
+/// | double | num_samples_history | samples the estimate remembers: a minibatch of N samples has weight \f$\eta = \min(\eta_{cap}, 1 - e^{-N/h})\f$ (> 0) | 2000 |
+/// | double | eta_cap | upper bound of \f$\eta\f$, in (0, 1]; 1: no cap | 0.9 |
 /// | double | alpha | smoothing towards the identity: \f$\hat F = F + \frac{\alpha}{D}\mathrm{tr}(F) I\f$ (>= 0) | 4 |
-/// | double | epsilon | floor of \f$\rho\f$ and of each \f$d_i\f$ (> 0) | 1e-10 |
-/// | double | delta | relative floor: \f$\rho \ge \delta \max_i (d_i + \rho)\f$, in (0, 1) | 5e-4 |
+/// | double | epsilon | absolute floor of \f$\rho\f$ and of each \f$d_i\f$ (> 0) | 1e-10 |
+/// | double | delta | relative floor: \f$\rho, d_i \ge \delta \max_j \sqrt{c_j}\f$, in (0, 1) | 5e-4 |
+/// | bool | relative_d_floor | floor d at \f$\max(\epsilon, \delta \max_j \sqrt{c_j})\f$ as Kaldi; false: at \f$\epsilon\f$ only | true |
 ///
-/// The update period is the layer's statistics interval: with_update_period(p) sets the
-/// per-layer override factor_update_steps to p, so the Preconditioner asks for observations
-/// only on update steps (wants_observations()), and every statistics update is one step of the
-/// recurrence. A later with_factor_update_steps (e.g. a function of the step, to reproduce
-/// Kaldi's ten initial every-minibatch updates) replaces it. Damping, factor decay and the
+/// The defaults are Kaldi's (natural-gradient-online.cc); with_legacy_defaults() restores
+/// kfac's choices before 2026-12-03. The schedule is the layer's statistics interval: the
+/// constructor, with_update_period and with_initial_updates set the per-layer override
+/// factor_update_steps to \f$s \mapsto (s + 1 < n_{init}) ? 1 : P\f$, which updates at steps
+/// 0, 1, ..., 10, 10 + P, 10 + 2P, ... (Kaldi's Updating(): \f$t \le 10\f$ or \f$(t - 10) \bmod P = 0\f$),
+/// so the Preconditioner asks for observations only on update steps (wants_observations()).
+/// Steps are the Preconditioner's, so register NG-SGD layers before the first step (Kaldi
+/// counts each component's calls). A later with_factor_update_steps replaces the schedule.
+/// Damping, factor decay and the
 /// decomposition interval of Options do not apply to NG-SGD layers. KL clipping does: see
 /// docs/ngsgd.md (kl_clip 0 is recommended when only NG-SGD layers are registered).
 /// Settings out of range throw kfac::Error naming the layer at registration.
@@ -47,10 +56,12 @@ struct NGSGD : impl::LayerOverrides<NGSGD> {
   static constexpr const char* name = "ngsgd";
 
   std::optional<long> rank_in, rank_out;  ///< unset: the defaults of the table
-  long update_period = 4;
+  long update_period = 4, initial_updates = 11, init_iterations = 0;
   double num_samples_history = 2000, alpha = 4, epsilon = 1e-10, delta = 5e-4;
+  double eta_cap = 0.9, symmetry_breaker = 1.1;
+  bool relative_d_floor = true;
 
-  NGSGD() { factor_update_steps = Hyperparameter<long>(update_period); }
+  NGSGD() { reschedule(); }
 
   NGSGD& with_rank_in(long r) { rank_in = r; return *this; }
   NGSGD& with_rank_out(long r) { rank_out = r; return *this; }
@@ -58,8 +69,25 @@ struct NGSGD : impl::LayerOverrides<NGSGD> {
   NGSGD& with_rank(long r) { rank_in = rank_out = r; return *this; }
   NGSGD& with_update_period(long p) {
     update_period = p;
-    factor_update_steps = Hyperparameter<long>(p);
-    return *this;
+    return reschedule();
+  }
+  NGSGD& with_initial_updates(long n) {
+    initial_updates = n;
+    return reschedule();
+  }
+  NGSGD& with_init_iterations(long n) { init_iterations = n; return *this; }
+  NGSGD& with_symmetry_breaker(double first) { symmetry_breaker = first; return *this; }
+  NGSGD& with_eta_cap(double cap) { eta_cap = cap; return *this; }
+  NGSGD& with_relative_d_floor(bool on) { relative_d_floor = on; return *this; }
+  /// \brief kfac's NG-SGD before 2026-12-03 (docs/ngsgd.md, "Kaldi's behaviour and the former
+  /// one"): equal-entries start, three initialisation iterations always, no cap on eta, d
+  /// floored at epsilon only, updates at steps 0, P, 2P, ...
+  NGSGD& with_legacy_defaults() {
+    symmetry_breaker = 1;
+    init_iterations = 3;
+    eta_cap = 1;
+    relative_d_floor = false;
+    return with_initial_updates(0);
   }
   NGSGD& with_num_samples_history(double h) { num_samples_history = h; return *this; }
   NGSGD& with_alpha(double a) { alpha = a; return *this; }
@@ -80,7 +108,10 @@ struct NGSGD : impl::LayerOverrides<NGSGD> {
     s.rank_in = rank_in ? *rank_in : std::max(0L, std::min({20L, (in + 1) / 2, long(layer.a_dim()) - 1}));
     s.rank_out = rank_out ? *rank_out : std::max(0L, std::min({80L, (out + 1) / 2, out - 1}));
     s.update_period = update_period;
-    s.recurrence = {num_samples_history, alpha, epsilon, delta};
+    s.initial_updates = initial_updates;
+    s.init_iterations = init_iterations;
+    s.symmetry_breaker = symmetry_breaker;
+    s.recurrence = {num_samples_history, alpha, epsilon, delta, eta_cap, relative_d_floor};
     return s;
   }
 
@@ -88,6 +119,14 @@ struct NGSGD : impl::LayerOverrides<NGSGD> {
   std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
                                                        const LayerType& layer) const {
     return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer, settings_for(layer));
+  }
+
+ private:
+  /// Kaldi's schedule as the layer's statistics interval (see the table).
+  NGSGD& reschedule() {
+    const long n = initial_updates, p = update_period;
+    factor_update_steps = Hyperparameter<long>([n, p](long step) { return step + 1 < n ? 1L : p; });
+    return *this;
   }
 };
 

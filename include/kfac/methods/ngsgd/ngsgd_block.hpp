@@ -17,6 +17,9 @@ namespace kfac {
 /// \brief The settings of one NG-SGD layer, resolved (ranks known). See NGSGD for meanings.
 struct NGSGDSettings {
   long rank_in = 0, rank_out = 0, update_period = 4;
+  long initial_updates = 11;   ///< the schedule's every-step start (NGSGD sets the layer's interval)
+  long init_iterations = 0;    ///< 0: Kaldi's rule (1 when a side's first minibatch has <= rank rows, else 3)
+  double symmetry_breaker = 1.1;  ///< first entry of each row of the starting basis
   impl::ngsgd::Recurrence recurrence{};
   std::string describe() const {
     auto num = [](double v) {
@@ -27,7 +30,10 @@ struct NGSGDSettings {
     const auto& r = recurrence;
     return "rank_in=" + std::to_string(rank_in) + ",rank_out=" + std::to_string(rank_out) +
            ",period=" + std::to_string(update_period) + ",history=" + num(r.num_samples_history) +
-           ",alpha=" + num(r.alpha) + ",epsilon=" + num(r.epsilon) + ",delta=" + num(r.delta);
+           ",alpha=" + num(r.alpha) + ",epsilon=" + num(r.epsilon) + ",delta=" + num(r.delta) +
+           ",initial=" + std::to_string(initial_updates) + ",init_iters=" + std::to_string(init_iterations) +
+           ",start=" + num(symmetry_breaker) + ",eta_cap=" + num(r.eta_cap) +
+           ",d_floor=" + (r.relative_d_floor ? "relative" : "epsilon");
   }
 };
 
@@ -35,10 +41,10 @@ struct NGSGDSettings {
 /// \f$\gamma\, \hat F_{out}^{-1} X \hat F_{in}^{-1}\f$, \f$\gamma = \|X\|_F / \|\hat F_{out}^{-1}
 /// X \hat F_{in}^{-1}\|_F\f$ (Kaldi's scale: the step keeps the gradient's norm).
 ///
-/// Each statistics update (every update_period steps: NGSGD sets the layer's
-/// factor_update_steps) runs one step of the recurrence of online_fisher.hpp per side; the very
-/// first runs Kaldi's initialisation instead (special basis, d = rho = epsilon, then four steps
-/// on the first minibatch). As in Kaldi, a step's gradient is preconditioned with the estimates
+/// Each statistics update (NGSGD sets the layer's factor_update_steps to Kaldi's schedule) runs
+/// one step of the recurrence of online_fisher.hpp per side; the very first runs Kaldi's
+/// initialisation first (special basis, d = rho = epsilon, then init_iterations steps on the
+/// first minibatch: Kaldi's 1 when that side has at most rank rows, else 3), then the update. As in Kaldi, a step's gradient is preconditioned with the estimates
 /// from before that step's update, so that no minibatch is preconditioned by a Fisher estimate
 /// that contains it. The estimates are per rank: checkpoint_state() lists them,
 /// averaged_state() is empty, and there are no decomposable units.
@@ -71,6 +77,12 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
     check(r.alpha >= 0 && std::isfinite(r.alpha), "alpha = " + std::to_string(r.alpha) + ": expected a finite value >= 0");
     check(r.epsilon > 0 && std::isfinite(r.epsilon), "epsilon = " + std::to_string(r.epsilon) + ": expected a finite value > 0");
     check(r.delta > 0 && r.delta < 1, "delta = " + std::to_string(r.delta) + ": expected a value in (0, 1)");
+    check(r.eta_cap > 0 && r.eta_cap <= 1, "eta_cap = " + std::to_string(r.eta_cap) + ": expected a value in (0, 1]");
+    check(s_.initial_updates >= 0, "initial_updates = " + std::to_string(s_.initial_updates) + ": expected >= 0");
+    check(s_.init_iterations >= 0, "init_iterations = " + std::to_string(s_.init_iterations) +
+          ": expected >= 0 (0: Kaldi's 1 or 3)");
+    check(s_.symmetry_breaker > 0 && std::isfinite(s_.symmetry_breaker),
+          "symmetry_breaker = " + std::to_string(s_.symmetry_breaker) + ": expected a finite value > 0");
     est_in_ = Fisher(na_, index_t(s_.rank_in));
     est_out_ = Fisher(ng_, index_t(s_.rank_out));
   }
@@ -135,14 +147,16 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   void update_statistics(const Exec& exec, double) override {
     const auto& r = s_.recurrence;
     if (!has_state_) {
-      est_in_.init_default(exec, r.epsilon);
-      est_out_.init_default(exec, r.epsilon);
-      for (int i = 0; i < 3; ++i) step_both(exec);
+      est_in_.init_default(exec, r.epsilon, s_.symmetry_breaker);
+      est_out_.init_default(exec, r.epsilon, s_.symmetry_breaker);
+      for (long i = init_iterations(obs_in_, s_.rank_in); i > 0; --i) step(exec, est_in_, obs_in_);
+      for (long i = init_iterations(obs_out_, s_.rank_out); i > 0; --i) step(exec, est_out_, obs_out_);
     }
     est_in_.copy_to(exec, prev_in_);
     est_out_.copy_to(exec, prev_out_);
     frozen_ = true;
-    step_both(exec);
+    step(exec, est_in_, obs_in_);
+    step(exec, est_out_, obs_out_);
     has_state_ = true;
     ++updates_;
   }
@@ -276,8 +290,10 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   struct Pending {
     std::vector<RMatrix> rows;
     double norm = 0, squares = 0, samples = 0;
+    long row_count = 0;
     void add(const Exec& exec, const RMatrix& r, double n, long batch) {
       rows.push_back(r);
+      row_count += long(r.extent(0));
       norm += n;
       squares += impl::ngsgd::squared_norm(exec, r);
       samples += double(batch);
@@ -287,9 +303,14 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   void check(bool ok, const std::string& what) const {
     if (!ok) throw Error(this->name(), "NGSGD: " + what);
   }
-  void step_both(const Exec& exec) {
-    est_in_.update(exec, obs_in_.rows, obs_in_.norm, obs_in_.squares, obs_in_.samples, s_.recurrence);
-    est_out_.update(exec, obs_out_.rows, obs_out_.norm, obs_out_.squares, obs_out_.samples, s_.recurrence);
+  void step(const Exec& exec, Fisher& f, const Pending& p) const {
+    f.update(exec, p.rows, p.norm, p.squares, p.samples, s_.recurrence);
+  }
+  /// Kaldi's Init(): one iteration when the first minibatch has at most `rank` rows (it then
+  /// spans the rows' subspace already), else three.
+  long init_iterations(const Pending& p, long rank) const {
+    if (s_.init_iterations > 0) return s_.init_iterations;
+    return p.row_count <= rank ? 1 : 3;
   }
   // x_ and out_ hold transposes, (a x g) column-major: the memory order of the caller's
   // row-major (g x a) gradient, so loading and storing are contiguous copies.

@@ -11,12 +11,15 @@
 /// \f[ T = \eta S + (1 - \eta) F,\quad Y = R T,\quad Y Y^T = U C U^T \ (c_1 \ge \dots \ge c_r),\f]
 /// \f[ c_i \leftarrow \max(c_i, (\rho (1-\eta))^2),\quad R' = C^{-1/2} U^T Y,\quad
 ///     \rho' = \frac{\mathrm{tr}\,T - \sum_i \sqrt{c_i}}{D - r},\quad d' = \sqrt{c} - \rho', \f]
-/// then \f$\rho' \leftarrow \max(\rho', \epsilon, \delta \max_i \sqrt{c_i})\f$ and
-/// \f$d' \leftarrow \max(d', \epsilon)\f$. One step of subspace iteration, so R' spans the
-/// leading eigenvectors of T ever better. When \f$c_1 > 10^6 c_r\f$ or a \f$c_i\f$ was floored,
-/// rounding may have cost R' its orthonormality: if \f$R'R'^T\f$ differs from I by more than
-/// 1e-3 in some entry, R' is replaced by \f$L^{-1} R'\f$, L the Cholesky factor of \f$R'R'^T\f$
-/// (by \f$[I\ 0]\f$ when that fails).
+/// then, with \f$f = \max(\epsilon, \delta \max_i \sqrt{c_i})\f$, \f$\rho' \leftarrow
+/// \max(\rho', f)\f$ and \f$d' \leftarrow \max(d', f)\f$ (Kaldi; `relative_d_floor` off: d'
+/// floored at \f$\epsilon\f$ only), and \f$\eta\f$ is capped at `eta_cap` (Kaldi: 0.9). One step
+/// of subspace iteration, so R' spans the leading eigenvectors of T ever better. When
+/// \f$c_1 > 10^6 c_r\f$ or a \f$c_i\f$ was floored, rounding may have cost R' its
+/// orthonormality: if \f$R'R'^T\f$ differs from I by more than 1e-3 in some entry, R' is
+/// replaced by \f$L^{-1} R'\f$, L the Cholesky factor of \f$R'R'^T\f$, or, when that fails or
+/// some entry of \f$L^{-1}\f$ is 100 or more, by Gram-Schmidt on its rows (Kaldi's
+/// ReorthogonalizeRt1).
 ///
 /// Preconditioning uses the smoothed estimate \f$\hat F = F + \frac{\alpha}{D}\mathrm{tr}(F) I
 /// = R^T \mathrm{diag}(d) R + \beta I\f$, \f$\beta = \rho(1+\alpha) + \frac{\alpha}{D}\sum_i d_i\f$,
@@ -44,18 +47,24 @@ using HostMatrix = Matrix<double, HostExec>;
 /// The settings of one estimate's recurrence (NGSGD's, see ngsgd.hpp).
 struct Recurrence {
   double num_samples_history = 2000, alpha = 4, epsilon = 1e-10, delta = 5e-4;
+  double eta_cap = 0.9;          ///< Kaldi's Eta(): eta never above 0.9
+  bool relative_d_floor = true;  ///< Kaldi: d floored at max(epsilon, delta max sqrt(c)), not epsilon
 };
 
-/// Kaldi's starting basis: row i has equal entries at columns i, i + r, i + 2r, ... (orthonormal
-/// rows, no zero row or column).
+/// Kaldi's starting basis: row i has entries at columns i, i + r, i + 2r, ..., the first `first`
+/// and the others 1, normalised (orthonormal rows, no zero row or column). With first = 1.1
+/// (Kaldi's symmetry breaker) no combination of the rows is the all-ones vector, a direction
+/// in which softmax + cross-entropy output gradients have no variance; with first = 1 the
+/// all-ones vector lies in the span and stays there.
 template <class Exec, class T>
-void special_orthonormal(const Exec& exec, const Matrix<T, Exec>& r) {
+void special_orthonormal(const Exec& exec, const Matrix<T, Exec>& r, double first) {
   const int rank = int(r.extent(0)), dim = int(r.extent(1));
   Kokkos::parallel_for(
       "kfac::ngsgd::init_basis", ColumnMajorRange<Exec>(exec, {0, 0}, {rank, dim}),
       KOKKOS_LAMBDA(int i, int j) {
         const int count = (dim - 1 - i) / rank + 1;
-        r(i, j) = j % rank == i ? T(1) / T(sqrt_(double(count))) : T(0);
+        const double scale = 1 / sqrt_(first * first + double(count - 1));
+        r(i, j) = j % rank == i ? T(scale * (j == i ? first : 1.0)) : T(0);
       });
 }
 
@@ -125,14 +134,6 @@ void stack_factors(const Exec& exec, const Matrix<T, Exec>& r_in, const Matrix<T
       KOKKOS_LAMBDA(int k, int j) { right(k, j) = k < ri ? e_in(k) * p(k, j) : r_out(k - ri, j); });
 }
 
-/// r = [I 0].
-template <class Exec, class T>
-void identity_basis(const Exec& exec, const Matrix<T, Exec>& r) {
-  Kokkos::parallel_for(
-      "kfac::ngsgd::reset_basis", ColumnMajorRange<Exec>(exec, {0, 0}, {int(r.extent(0)), int(r.extent(1))}),
-      KOKKOS_LAMBDA(int i, int j) { r(i, j) = T(i == j); });
-}
-
 /// Host copy of a small device matrix, in double.
 template <class Exec, class T>
 HostMatrix to_host(const Matrix<T, Exec>& m) {
@@ -184,6 +185,46 @@ inline HostMatrix lower_inverse(const HostMatrix& l) {
   return inv;
 }
 
+/// Kaldi's check on the Cholesky repair: every entry of \f$L^{-1}\f$ (lower triangle) below 100.
+inline bool inverse_in_range(const HostMatrix& l_inv) {
+  for (std::size_t j = 0; j < l_inv.extent(1); ++j)
+    for (std::size_t i = j; i < l_inv.extent(0); ++i)
+      if (!(l_inv(i, j) < 100)) return false;
+  return true;
+}
+
+/// Gram-Schmidt on the rows of m in order (Kaldi's OrthogonalizeRows): a row that kept at most
+/// 1% of its squared norm is orthogonalised again (rounding), and an exactly zero row is
+/// replaced by a fixed pseudo-random one (Kaldi draws a random one; fixed here so that runs
+/// are reproducible).
+inline void gram_schmidt_rows(HostMatrix& m) {
+  const int rows = int(m.extent(0)), cols = int(m.extent(1));
+  unsigned long long seed = 0x9E3779B97F4A7C15ull;
+  for (int i = 0; i < rows; ++i) {
+    for (int pass = 0;; ++pass) {
+      if (pass > 100) throw Error("", "NG-SGD: Gram-Schmidt on the basis did not converge");
+      double start = 0, end = 0;
+      for (int j = 0; j < cols; ++j) start += m(i, j) * m(i, j);
+      for (int k = 0; k < i; ++k) {
+        double dot = 0;
+        for (int j = 0; j < cols; ++j) dot += m(i, j) * m(k, j);
+        for (int j = 0; j < cols; ++j) m(i, j) -= dot * m(k, j);
+      }
+      for (int j = 0; j < cols; ++j) end += m(i, j) * m(i, j);
+      if (end > 0.01 * start) {
+        const double s = 1 / std::sqrt(end);
+        for (int j = 0; j < cols; ++j) m(i, j) *= s;
+        break;
+      }
+      if (end == 0)
+        for (int j = 0; j < cols; ++j) {
+          seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+          m(i, j) = double(seed >> 11) / double(1ull << 53) - 0.5;
+        }
+    }
+  }
+}
+
 /// \brief One estimate \f$R^T \mathrm{diag}(d) R + \rho I\f$ (see the file comment).
 /// \tparam T the type of R and of the rows it is updated from.
 /// State: R (r x D, column-major) and dr = (d_0, ..., d_{r-1}, rho) in double, both in the
@@ -224,10 +265,11 @@ class OnlineFisher {
     return b;
   }
 
-  /// Kaldi's starting point: the special orthonormal basis, d = rho = epsilon.
-  void init_default(const Exec& exec, double epsilon) {
+  /// Kaldi's starting point: the special orthonormal basis (`first` its symmetry breaker, see
+  /// special_orthonormal), d = rho = epsilon.
+  void init_default(const Exec& exec, double epsilon, double first) {
     allocate();
-    if (rank_ > 0) special_orthonormal(exec, r_);
+    if (rank_ > 0) special_orthonormal(exec, r_, first);
     Kokkos::deep_copy(exec, dr_, epsilon);
   }
   /// Copies the state into `other` (allocated as needed).
@@ -247,7 +289,7 @@ class OnlineFisher {
               double sum_squares, double samples, const Recurrence& s) {
     if (rank_ == 0) return;
     const int r = rank_, n_dim = dim_;
-    const double eta = 1 - std::exp(-samples / s.num_samples_history);
+    const double eta = std::min(s.eta_cap, 1 - std::exp(-samples / s.num_samples_history));
     using Unmanaged = Kokkos::View<const T**, Kokkos::LayoutLeft, typename Exec::memory_space,
                                    Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
     // Y = R T = (eta/norm) (R X^T) X + (1 - eta) diag(d + rho) R, since R F = diag(d + rho) R.
@@ -287,8 +329,9 @@ class OnlineFisher {
       throw Error("", "NG-SGD estimate degenerated (all of Y Y^T is zero); are the observations zero?");
     const double trace_t = eta * sum_squares / norm + (1 - eta) * (n_dim * rho + sum_d);
     double rho1 = (trace_t - sum_sqrt_c) / double(n_dim - r);
-    for (int i = 0; i < r; ++i) dr(i) = std::max(sqrt_c[i] - rho1, s.epsilon);
-    dr(r) = std::max(rho1, std::max(s.epsilon, s.delta * max_sqrt_c));
+    const double floor = std::max(s.epsilon, s.delta * max_sqrt_c);
+    for (int i = 0; i < r; ++i) dr(i) = std::max(sqrt_c[i] - rho1, s.relative_d_floor ? floor : s.epsilon);
+    dr(r) = std::max(rho1, floor);
 
     // R' = C^{-1/2} U^T Y.
     HostMatrix m("kfac::ngsgd::M", r, r);
@@ -299,9 +342,12 @@ class OnlineFisher {
     Kokkos::deep_copy(dr_, dr);
   }
 
- private:
-  /// R <- L^{-1} R with L L^T = R R^T, unless R R^T is the identity to 1e-3 already.
-  void orthonormalize(const Exec& exec) {
+  /// \brief Restores R's orthonormal rows as Kaldi's ReorthogonalizeRt1 does: nothing when
+  /// \f$R R^T\f$ is the identity to 1e-3; else \f$R \leftarrow L^{-1} R\f$, \f$L L^T = R R^T\f$;
+  /// Gram-Schmidt on the rows (gram_schmidt_rows) when the Cholesky factorisation fails or an
+  /// entry of \f$L^{-1}\f$ is 100 or more (the rows were close to dependent). Returns which
+  /// repair ran: 0 none, 1 Cholesky, 2 Gram-Schmidt.
+  int orthonormalize(const Exec& exec) {
     const int r = rank_;
     matrix o("kfac::ngsgd::O", r, r);
     gemm(exec, "N", "T", T(1), r_, r_, T(0), o);
@@ -310,12 +356,22 @@ class OnlineFisher {
     double worst = 0;
     for (int j = 0; j < r; ++j)
       for (int i = 0; i < r; ++i) worst = std::max(worst, std::abs(oh(i, j) - (i == j ? 1.0 : 0.0)));
-    if (worst <= 1e-3) return;
-    if (!cholesky_lower(oh)) return identity_basis(exec, r_);
+    if (worst <= 1e-3) return 0;
+    HostMatrix l_inv;
+    if (cholesky_lower(oh)) l_inv = lower_inverse(oh);
+    if (l_inv.extent(0) == 0 || !inverse_in_range(l_inv)) {
+      HostMatrix rh = to_host<Exec, T>(r_);
+      gram_schmidt_rows(rh);
+      Kokkos::deep_copy(exec, r_, to_device<Exec, T>(rh));
+      return 2;
+    }
     matrix copy("kfac::ngsgd::R_copy", r, dim_);
     Kokkos::deep_copy(exec, copy, r_);
-    gemm(exec, "N", "N", T(1), to_device<Exec, T>(lower_inverse(oh)), copy, T(0), r_);
+    gemm(exec, "N", "N", T(1), to_device<Exec, T>(l_inv), copy, T(0), r_);
+    return 1;
   }
+
+ private:
 
   index_t dim_ = 0, rank_ = 0;
   matrix r_;
