@@ -286,9 +286,10 @@ TEST_CASE("torch adapter: unsupported modules are named at registration", "[torc
   TorchPreconditioner first(*two);
   CHECK(has(error_of([&] { TorchPreconditioner second(*two); }), "already registered"));
 
-  // Parameters off the CPU (a meta tensor stands in for CUDA, which Debian's LibTorch has not).
+  // Parameters off the CPU (a meta tensor stands in for CUDA, which Debian's LibTorch has not;
+  // trainable, as a model's parameters are: a frozen one would be skipped).
   struct OffCpu : torch::nn::LinearImpl {
-    OffCpu() : torch::nn::LinearImpl(3, 2) { weight = torch::empty({2, 3}, torch::TensorOptions().device(torch::kMeta)); }
+    OffCpu() : torch::nn::LinearImpl(3, 2) { weight = torch::empty({2, 3}, torch::TensorOptions().device(torch::kMeta).requires_grad(true)); }
   };
   OffCpu off;
   const std::string e3 = error_of([&] { TorchPreconditioner kp(off); }, &layer);
@@ -394,4 +395,106 @@ TEST_CASE("torch adapter: skipped modules' gradients are untouched bit for bit",
     CHECK(torch::equal(bnb, net->bn1->bias.grad()));
     CHECK(!torch::equal(fc1, net->fc1->weight.grad()));
   }
+}
+
+TEST_CASE("torch adapter: frozen modules are skipped and listed", "[torch][adapter][frozen]") {
+  torch::manual_seed(17);
+  auto net = std::make_shared<TwoImpl>();
+  for (auto& p : net->fc2->parameters()) p.requires_grad_(false);
+  TorchPreconditioner kp(*net, options());
+  CHECK((kp.modules() == std::vector<std::string>{"fc1", "fc3"}));
+  CHECK((kp.frozen() == std::vector<std::string>{"fc2"}));
+  REQUIRE(kp.skipped().size() == 1);
+  CHECK(has(kp.skipped()[0], "fc2 (torch::nn::Linear, frozen: requires_grad = false)"));
+  for (int step = 0; step < 2; ++step) {
+    net->zero_grad();
+    const at::Tensor h = observed(net->fc2, torch::relu(observed(net->fc1, torch::randn({6, 4}))));
+    torch::nn::functional::cross_entropy(observed(net->fc3, h), torch::randint(0, 3, {6}, at::kLong)).backward();
+    const at::Tensor fc1 = net->fc1->weight.grad().clone();
+    CHECK_NOTHROW(kp.precondition());  // was: "its parameters have no gradient"
+    CHECK(!torch::equal(fc1, net->fc1->weight.grad()));
+    CHECK(!net->fc2->weight.grad().defined());
+  }
+  // Frozen after construction: named, with what to do.
+  for (auto& p : net->fc3->parameters()) p.requires_grad_(false);
+  net->zero_grad();
+  const at::Tensor h = observed(net->fc2, torch::relu(observed(net->fc1, torch::randn({6, 4}))));
+  torch::nn::functional::cross_entropy(observed(net->fc3, h), torch::randint(0, 3, {6}, at::kLong)).backward();
+  std::string layer;
+  const std::string e = error_of([&] { kp.precondition(); }, &layer);
+  CHECK(layer == "fc3");
+  CHECK(has(e, "frozen (requires_grad = false) after the TorchPreconditioner was built"));
+  CHECK(kp.step_count() == 2);
+}
+
+TEST_CASE("torch adapter: a module frozen in part is named", "[torch][adapter][frozen][errors]") {
+  auto net = std::make_shared<TwoImpl>();
+  net->fc2->weight.requires_grad_(false);
+  std::string layer;
+  const std::string e = error_of([&] { TorchPreconditioner kp(*net); }, &layer);
+  CHECK(layer == "fc2");
+  CHECK(has(e, "its weight is frozen (requires_grad = false) but its bias is not"));
+}
+
+namespace {
+/// Conv2d then Linear (no BatchNorm: its batch statistics differ between micro-batches and the
+/// whole batch, so there the big-batch equality does not hold by construction).
+struct AccumImpl : torch::nn::Module {
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear fc{nullptr};
+  AccumImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)));
+    fc = register_module("fc", torch::nn::Linear(3 * 5 * 4, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return observed(fc, torch::relu(observed(conv, x)).flatten(1)); }
+};
+}  // namespace
+
+TEST_CASE("torch adapter: k accumulated micro-batches equal one big batch", "[torch][adapter][accumulation]") {
+  // PyTorch's recipe: each micro-batch's mean loss divided by k, backward() k times, one step.
+  // The accumulated .grad() is then the big batch's; with accumulation_steps(k) so is G (without
+  // it the output gradients are 1/k of the per-sample ones and G is k^2 too small).
+  torch::manual_seed(19);
+  const int k = 4, micro = 3, N = k * micro;
+  auto big = std::make_shared<AccumImpl>(), acc = std::make_shared<AccumImpl>();
+  big->to(at::kDouble);
+  acc->to(at::kDouble);
+  {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < big->parameters().size(); ++i) acc->parameters()[i].copy_(big->parameters()[i]);
+  }
+  TorchPreconditioner kp_big(*big, options());
+  TorchPreconditioner kp_acc(*acc, options(), TorchOptions{}.with_accumulation_steps(k));
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor x = torch::randn({N, 2, 5, 4}, at::kDouble);
+    const at::Tensor y = torch::randint(0, 4, {N}, at::kLong);
+    big->zero_grad();
+    torch::nn::functional::cross_entropy(big->forward(x), y).backward();
+    kp_big.precondition();
+    acc->zero_grad();
+    for (int m = 0; m < k; ++m) {
+      const auto rows = torch::indexing::Slice(m * micro, (m + 1) * micro);
+      (torch::nn::functional::cross_entropy(acc->forward(x.index({rows})), y.index({rows})) / double(k)).backward();
+    }
+    kp_acc.precondition();
+    const auto gb = grads_of(*big), ga = grads_of(*acc);
+    for (std::size_t i = 0; i < gb.size(); ++i) {
+      INFO("step " << step << ", parameter " << i << ": max |diff| " << (gb[i] - ga[i]).abs().max().item<double>());
+      CHECK(torch::allclose(ga[i], gb[i], 1e-9, 1e-12));
+    }
+    CHECK(kp_acc.last_kl_scale() == Approx(kp_big.last_kl_scale()).epsilon(1e-9));
+  }
+}
+
+TEST_CASE("torch adapter: accumulation_steps is checked", "[torch][adapter][accumulation][errors]") {
+  auto net = std::make_shared<AccumImpl>();
+  CHECK(has(error_of([&] { TorchPreconditioner kp(*net, options(), TorchOptions{}.with_accumulation_steps(0)); }),
+            "TorchOptions::accumulation_steps must be >= 1 (got 0)"));
+  TorchPreconditioner kp(*net, options(), TorchOptions{}.with_accumulation_steps(2));
+  (torch::nn::functional::cross_entropy(net->forward(torch::randn({3, 2, 5, 4})), torch::randint(0, 4, {3}, at::kLong)) / 2.0)
+      .backward();  // one micro-batch of two
+  const std::string e = error_of([&] { kp.precondition(); });
+  CHECK(has(e, "'conv' observed 1 times, not a multiple of TorchOptions::accumulation_steps = 2"));
+  CHECK(has(e, "'fc' observed 1 times"));
+  CHECK(kp.step_count() == 0);
 }

@@ -1,8 +1,11 @@
 #pragma once
 /// \file kfac.hpp
 /// \brief The one header users include. (MPI: add kfac/distributed/mpi_comm.hpp; cost
-/// planning: kfac/planning/cost_model.hpp; adapters: kfac/adapters/*.hpp.)
+/// planning: kfac/planning/cost_model.hpp.) The raw-pointer adapter (kfac::adapters::from_raw)
+/// is included: it needs nothing but Kokkos. The Eigen and LibTorch adapters stay opt-in
+/// (kfac/adapters/eigen.hpp, kfac/adapters/torch.hpp), since they pull in their libraries.
 
+#include "kfac/adapters/raw.hpp"
 #include "kfac/config.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/core/precision.hpp"

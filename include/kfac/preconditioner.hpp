@@ -43,6 +43,13 @@ namespace kfac {
 template <class Scalar = double, class Exec = Kokkos::DefaultExecutionSpace,
           class Comm = SerialComm, class Distribution = Kaisa>
 class Preconditioner {
+  static_assert(Kokkos::is_execution_space<Exec>::value,
+                "kfac::Preconditioner<Scalar, Exec, Comm, Distribution>: Exec must be a Kokkos execution space "
+                "(Kokkos::DefaultExecutionSpace, Kokkos::DefaultHostExecutionSpace, Kokkos::Serial, ...); a memory "
+                "space such as Kokkos::HostSpace says where data lives, not where kernels run");
+  static_assert(std::is_floating_point<Scalar>::value,
+                "kfac::Preconditioner<Scalar, ...>: Scalar is the type of the framework's observations and "
+                "gradients: float or double");
   static_assert(is_communicator_v<Comm>, "kfac::Preconditioner: Comm must be a communicator (kfac::SerialComm, kfac::MpiComm)");
   static_assert(is_distribution_v<Distribution>, "kfac::Preconditioner: Distribution must be kfac::Kaisa or kfac::Independent");
   using entry_type = impl::Entry<Scalar, Exec>;

@@ -2,6 +2,12 @@
 
 #include <cstdio>
 
+#ifdef KFAC_CONSUMER_PACKAGE_VERSION
+constexpr bool same(const char* a, const char* b) { return *a == *b && (*a == '\0' || same(a + 1, b + 1)); }
+static_assert(same(KFAC_VERSION_STRING, KFAC_CONSUMER_PACKAGE_VERSION),
+              "kfac/config.hpp's KFAC_VERSION_STRING differs from the installed package's version");
+#endif
+
 int main(int argc, char* argv[]) {
   Kokkos::initialize(argc, argv);
   int rc = 1;

@@ -17,7 +17,8 @@
 /// **Registration.** The constructor walks `model.named_modules()` once and registers every
 /// `torch::nn::Linear`, `Conv2d` and `BatchNorm2d` (affine) under its path ("features.0"),
 /// except the modules matched by TorchOptions::with_skip (name patterns with `*` and `?`, or
-/// types). A module kfac cannot handle — a grouped or depthwise convolution, non-zero padding
+/// types) and frozen modules (every parameter `requires_grad = false`, as kfac-pytorch skips
+/// them; listed by frozen() and skipped()). A module kfac cannot handle — a grouped or depthwise convolution, non-zero padding
 /// modes, asymmetric 'same' padding, or any other module owning parameters (an Embedding, a
 /// LayerNorm, a custom module with its own parameters) — is named in a kfac::Error unless it is
 /// skipped: its parameters are never left unpreconditioned silently.
@@ -74,13 +75,19 @@ enum class TokenReduction {
 /// |---|---|---|---|
 /// | vector<string> | skip | module paths (glob: `*` any run of characters, `?` one) or types (`Conv2d`, `torch::nn::Conv2d`, `torch::nn::Conv2dImpl`, kfac kinds `dense`, `conv2d`, `batch_norm`) left out | {} |
 /// | TokenReduction | tokens | how Linear modules reduce 3-D inputs | none |
+/// | long | accumulation_steps | k: each precondition() follows k micro-batches whose losses were each divided by k (PyTorch's gradient-accumulation recipe); output gradients are multiplied by k so that G is the per-sample factor, as for the one batch of all k micro-batches | 1 |
 /// | optional<MpiComm> | mpi | (builds with MPI) distribute kfac's work over these ranks | unset: serial |
 struct TorchOptions {
   std::vector<std::string> skip;
   TokenReduction tokens = TokenReduction::none;
+  long accumulation_steps = 1;
 
   TorchOptions& with_skip(std::vector<std::string> patterns) { skip = std::move(patterns); return *this; }
   TorchOptions& with_token_reduction(TokenReduction t) { tokens = t; return *this; }
+  /// \brief k micro-batches per precondition(), each loss divided by k: the preconditioned
+  /// gradient then equals that of one batch of all k micro-batches (checked by the constructor:
+  /// k >= 1; by precondition(): each module observed a multiple of k times).
+  TorchOptions& with_accumulation_steps(long k) { accumulation_steps = k; return *this; }
 #if KFAC_HAVE_MPI
   std::optional<MpiComm> mpi;
   /// rief Data-parallel training: kfac's factors are averaged over `comm` (KAISA). The user
@@ -256,14 +263,20 @@ class TorchPreconditioner {
   /// `backward()` and before `optimizer.step()`. On a factor-update step every registered
   /// module must have been observed (see observed()).
   /// \throws kfac::Error naming every module that was not observed, whose output gradient
-  ///         never arrived, or whose parameters have no gradient; kfac's own errors otherwise.
+  ///         never arrived, whose parameters have no gradient or were frozen after construction,
+  ///         or observed a number of times that is not a multiple of
+  ///         TorchOptions::accumulation_steps; kfac's own errors otherwise.
   ///         The observations are dropped either way; kfac's state is unchanged.
   void precondition();
 
   /// \brief The registered module paths, in model order.
   std::vector<std::string> modules() const;
-  /// \brief Modules with parameters that were left out, with the reason ("skip list").
+  /// \brief Modules with parameters that were left out, with the reason ("skip list",
+  /// "frozen: requires_grad = false").
   const std::vector<std::string>& skipped() const { return skipped_; }
+  /// \brief The paths of the modules left out because their parameters were frozen
+  /// (`requires_grad = false`) when the preconditioner was built; the optimizer alone sees them.
+  const std::vector<std::string>& frozen() const { return frozen_; }
   /// \brief The parameters' dtype, which is the Preconditioner's Scalar.
   at::ScalarType dtype() const { return dtype_; }
   /// \brief True when the next precondition() updates some module's statistics.
@@ -293,6 +306,7 @@ class TorchPreconditioner {
   std::unique_ptr<impl::TorchBackend> backend_;
   std::vector<Entry> entries_;
   std::vector<std::string> skipped_;
+  std::vector<std::string> frozen_;
 };
 
 }  // namespace adapters

@@ -48,6 +48,18 @@ struct is_communicator<
     : std::true_type {};
 
 template <class T, class = void>
+struct is_factor_policy : std::false_type {};
+template <class T>
+struct is_factor_policy<T, void_t<decltype(T::name), decltype(T::is_diagonal), decltype(T::packed)>>
+    : std::true_type {};
+/// T::is_diagonal for a factor policy, false for anything else (so that a wrong type in the
+/// factor slot is reported by the slot's own static_assert, not by a missing member).
+template <class T, bool = is_factor_policy<T>::value>
+struct factor_is_diagonal : std::false_type {};
+template <class T>
+struct factor_is_diagonal<T, true> : std::integral_constant<bool, T::is_diagonal> {};
+
+template <class T, class = void>
 struct is_distribution : std::false_type {};
 template <class T>
 struct is_distribution<T, void_t<typename T::distribution_tag>> : std::true_type {};
@@ -65,6 +77,9 @@ inline constexpr bool is_inversion_v = impl::is_inversion<T>::value;
 /// \brief True for communicators (SerialComm, MpiComm).
 template <class T>
 inline constexpr bool is_communicator_v = impl::is_communicator<T>::value;
+/// \brief True for factor policies (Symmetric, Full, Diagonal, UnitWise).
+template <class T>
+inline constexpr bool is_factor_policy_v = impl::is_factor_policy<T>::value;
 /// \brief True for distribution policies (Kaisa, Independent).
 template <class T>
 inline constexpr bool is_distribution_v = impl::is_distribution<T>::value;

@@ -24,6 +24,15 @@ inline void fail_if(const std::string& name, const std::string& why) {
   if (!why.empty()) throw Error(name, why);
 }
 
+/// What as_tensor's static_asserts require; false stops its body from instantiating (the
+/// static_assert's message is then the whole error, not the first of a page).
+template <class Scalar, class Exec, class View>
+constexpr bool observation_ok() {
+  if constexpr (!Kokkos::is_view<View>::value) return false;
+  else return (View::rank == 2 || View::rank == 4) && std::is_same<typename View::non_const_value_type, Scalar>::value &&
+              Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible;
+}
+
 /// Row-major rank-2 (batch, features) or rank-4 (N, C, H, W) view -> unmanaged rank-4 view.
 template <class Scalar, class Exec, class View>
 Tensor4<Scalar, Exec> as_tensor(const std::string& name, const View& v, const char* what) {
@@ -34,11 +43,18 @@ Tensor4<Scalar, Exec> as_tensor(const std::string& name, const View& v, const ch
                 "kfac: observations must have the Preconditioner's Scalar type");
   static_assert(Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible,
                 "kfac: observation not accessible from the execution space");
-  if (!std::is_same<typename View::array_layout, Kokkos::LayoutRight>::value || !v.span_is_contiguous())
-    throw Error(name, std::string(what) + " must be a contiguous row-major (LayoutRight) view");
-  const std::size_t d2 = View::rank == 4 ? v.extent(2) : 1, d3 = View::rank == 4 ? v.extent(3) : 1;
-  return Tensor4<Scalar, Exec>(v.data(), v.extent(0), v.extent(1), d2, d3);
+  if constexpr (!observation_ok<Scalar, Exec, View>()) {
+    return {};
+  } else {
+    if (!std::is_same<typename View::array_layout, Kokkos::LayoutRight>::value || !v.span_is_contiguous())
+      throw Error(name, std::string(what) + " must be a contiguous row-major (LayoutRight) view");
+    const std::size_t d2 = View::rank == 4 ? v.extent(2) : 1, d3 = View::rank == 4 ? v.extent(3) : 1;
+    return Tensor4<Scalar, Exec>(v.data(), v.extent(0), v.extent(1), d2, d3);
+  }
 }
+
+template <class Scalar, class Exec, class Entry, class W, class B>
+void take_checked_gradient(Entry& entry, const W& weight, const B& bias);
 
 /// Checks a (weight, bias) gradient against the block's shape and stores it in `entry`.
 template <class Scalar, class Exec, class Entry, class W, class B>
@@ -51,6 +67,14 @@ void take_gradient(Entry& entry, const W& weight, const B& bias) {
   static_assert(!std::is_const<typename W::value_type>::value &&
                     !std::is_const<typename B::value_type>::value,
                 "kfac::set_gradient: gradients are preconditioned in place; pass non-const views");
+  if constexpr (std::is_same<typename W::non_const_value_type, Scalar>::value &&
+                std::is_same<typename B::non_const_value_type, Scalar>::value)
+    take_checked_gradient<Scalar, Exec>(entry, weight, bias);
+}
+
+/// take_gradient's body, once its static_asserts hold.
+template <class Scalar, class Exec, class Entry, class W, class B>
+void take_checked_gradient(Entry& entry, const W& weight, const B& bias) {
   const auto& block = *entry.block;
   const std::string& name = block.name();
   const index_t rows = block.weight_rows(), cols = block.weight_cols();

@@ -117,6 +117,8 @@ at::Tensor observed(ModuleRef& module, const at::Tensor& x) {
 inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, Options options,
                                                 TorchOptions torch_options)
     : torch_options_(std::move(torch_options)) {
+  if (torch_options_.accumulation_steps < 1)
+    throw Error("", "TorchOptions::accumulation_steps must be >= 1 (got " + std::to_string(torch_options_.accumulation_steps) + ")");
   // Pass 1: what each module is, and what kfac cannot handle (all of it, in one error).
   struct Found {
     std::string name;
@@ -192,6 +194,18 @@ inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, 
               "add it to TorchOptions::with_skip to leave it to the optimizer alone");
       continue;
     }
+    // Frozen (kfac-pytorch skips them too): nothing for the optimizer to update, nothing to precondition.
+    const bool weight_frozen = !f.weight.requires_grad();
+    if (weight_frozen && (!f.bias.defined() || !f.bias.requires_grad())) {
+      skipped_.push_back(name + " (" + type + ", frozen: requires_grad = false)");
+      frozen_.push_back(name);
+      continue;
+    }
+    if (f.bias.defined() && weight_frozen != !f.bias.requires_grad()) {
+      problem(std::string("its ") + (weight_frozen ? "weight" : "bias") + " is frozen (requires_grad = false) but its " +
+              (weight_frozen ? "bias" : "weight") + " is not; freeze both, or add it to TorchOptions::with_skip");
+      continue;
+    }
     for (const at::Tensor* p : {&f.weight, &f.bias}) {
       const std::string dev = impl::torch_device_problem(*p, "a parameter");
       if (!dev.empty()) problem(dev);
@@ -264,15 +278,22 @@ inline std::vector<impl::ModuleProblem> TorchPreconditioner::check_observed() co
     const auto& c = *e.capture;
     if (backend_->is_skipped(c.name)) continue;
     std::string why;
-    if (!e.weight.grad().defined()) why = "its parameters have no gradient (was backward() run through it?)";
+    const long k = torch_options_.accumulation_steps;
+    if (!e.weight.requires_grad())
+      why = "its parameters were frozen (requires_grad = false) after the TorchPreconditioner was built; "
+            "build a new one (frozen modules are skipped at construction)";
+    else if (!e.weight.grad().defined()) why = "its parameters have no gradient (was backward() run through it?)";
     else if (!impl::torch_device_problem(e.weight.grad(), "its gradient").empty())
       why = impl::torch_device_problem(e.weight.grad(), "its gradient");
     else if (c.wanted && c.inputs.empty())
       why = "not observed: its forward was not called through kfac::adapters::observed() in training mode with autograd on";
+    else if (c.wanted && long(c.inputs.size()) % k != 0)
+      why = "observed " + std::to_string(c.inputs.size()) + " times, not a multiple of TorchOptions::accumulation_steps = " +
+            std::to_string(k) + " (one call per micro-batch, or the same number of calls in each)";
     else if (c.wanted)
-      for (std::size_t k = 0; k < c.grads.size() && why.empty(); ++k)
-        if (!c.grads[k].defined())
-          why = "the output gradient of call " + std::to_string(k + 1) + " of " + std::to_string(c.grads.size()) +
+      for (std::size_t i = 0; i < c.grads.size() && why.empty(); ++i)
+        if (!c.grads[i].defined())
+          why = "the output gradient of call " + std::to_string(i + 1) + " of " + std::to_string(c.grads.size()) +
                 " never arrived (no backward() through that output since the forward?)";
     if (!why.empty()) missing.push_back({c.name, why});
   }
@@ -296,6 +317,10 @@ inline void TorchPreconditioner::precondition() {
   // collective for one that threw.
   std::vector<impl::ModuleProblem> problems = check_observed();
   auto as_kfac = [&](at::Tensor t) { return (t.scalar_type() == dtype_ ? t : t.to(dtype_)).contiguous(); };
+  // Each micro-batch's loss was divided by k: its output gradients are 1/k of the per-sample
+  // ones kfac's loss reduction expects (G would come out k^2 too small).
+  const long k = torch_options_.accumulation_steps;
+  auto output_grad = [&](const at::Tensor& g) { return k == 1 ? as_kfac(g) : as_kfac(g * double(k)); };
   const bool check_finite = backend_->options().nonfinite == NonFinitePolicy::raise;
   struct Observation {
     const std::string* name;
@@ -305,8 +330,8 @@ inline void TorchPreconditioner::precondition() {
   for (const auto& e : entries_) {
     const auto& c = *e.capture;
     if (!c.wanted || !problems.empty()) continue;
-    for (std::size_t k = 0; k < c.inputs.size(); ++k) {
-      Observation o{&c.name, as_kfac(c.inputs[k]), as_kfac(impl::torch_output_grad(c, c.grads[k], c.tokens_per_row[k]))};
+    for (std::size_t i = 0; i < c.inputs.size(); ++i) {
+      Observation o{&c.name, as_kfac(c.inputs[i]), output_grad(impl::torch_output_grad(c, c.grads[i], c.tokens_per_row[i]))};
       if (check_finite && !torch::isfinite(o.x).all().item<bool>())
         problems.push_back({c.name, "non-finite values (NaN/Inf) in its input; nothing was preconditioned"});
       else if (check_finite && !torch::isfinite(o.g).all().item<bool>())

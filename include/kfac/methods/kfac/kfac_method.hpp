@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include "kfac/core/precision.hpp"
+#include "kfac/core/traits.hpp"
 #include "kfac/methods/kfac/cholesky.hpp"
 #include "kfac/methods/kfac/eigendecomposition.hpp"
 #include "kfac/methods/kfac/factors.hpp"
@@ -32,11 +34,28 @@ namespace kfac {
 template <class FactorPolicy = Symmetric, class Inversion = Eigendecomposition<>,
           class Prec = ScalarPrecision>
 struct KFAC : impl::LayerOverrides<KFAC<FactorPolicy, Inversion, Prec>> {
+  // One check per template argument, in order, so that an argument in the wrong slot
+  // (KFAC<Cholesky<>>) is named as such rather than by a member it lacks.
+  static_assert(is_factor_policy_v<FactorPolicy>,
+                "kfac::KFAC<Factor, Inversion, Prec>: the first template argument must be a factor "
+                "policy (kfac::Symmetric, kfac::Full, kfac::Diagonal); the inversion goes second, "
+                "e.g. kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>>");
+  static_assert(is_inversion_v<Inversion>,
+                "kfac::KFAC<Factor, Inversion, Prec>: the second template argument must be an "
+                "inversion policy (kfac::Eigendecomposition<>, kfac::Cholesky<>, kfac::NewtonSchulz)");
+  static_assert(impl::is_precision<Prec>::value || std::is_same<Prec, ScalarPrecision>::value,
+                "kfac::KFAC<Factor, Inversion, Prec>: the third template argument must be a precision "
+                "(kfac::ScalarPrecision, kfac::MixedPrecision, kfac::HalfPrecision, kfac::Precision<F, D>)");
   static_assert(!std::is_same<FactorPolicy, UnitWise>::value,
                 "kfac::KFAC: UnitWise is a BatchNorm2d approximation; use kfac::UnitWiseFisher");
-  static_assert(!FactorPolicy::is_diagonal || std::is_same<Inversion, Eigendecomposition<>>::value,
+  static_assert(!impl::factor_is_diagonal<FactorPolicy>::value || std::is_same<Inversion, Eigendecomposition<>>::value,
                 "kfac::KFAC: Diagonal factors are inverted in closed form; leave the inversion "
                 "policy at its default");
+  /// All template arguments in their slots: make_block instantiates the block only then (no
+  /// page of errors from inside it after the static_asserts above).
+  static constexpr bool well_formed = is_factor_policy_v<FactorPolicy> && is_inversion_v<Inversion> &&
+                                      (impl::is_precision<Prec>::value || std::is_same<Prec, ScalarPrecision>::value) &&
+                                      !std::is_same<FactorPolicy, UnitWise>::value;
   using method_tag = void;
   using factor_policy = FactorPolicy;
   using inversion_type = Inversion;
@@ -62,7 +81,8 @@ struct KFAC : impl::LayerOverrides<KFAC<FactorPolicy, Inversion, Prec>> {
   template <class Scalar, class Exec, class LayerType>
   std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
                                                        const LayerType& layer) const {
-    return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer, inversion);
+    if constexpr (well_formed) return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer, inversion);
+    else return nullptr;  // unreachable: a static_assert above failed
   }
 };
 

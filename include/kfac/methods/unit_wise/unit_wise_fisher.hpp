@@ -30,7 +30,9 @@ struct UnitWiseFisher : impl::LayerOverrides<UnitWiseFisher<Approx, Prec>> {
   template <class Scalar, class Exec, class LayerType>
   std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
                                                        const LayerType& layer) const {
-    return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer);
+    if constexpr (std::is_same<Approx, UnitWise>::value || std::is_same<Approx, Diagonal>::value)
+      return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer);
+    else return nullptr;  // unreachable: the static_assert above failed
   }
 };
 
