@@ -27,7 +27,6 @@
 #include <map>
 #include <sstream>
 #include <string>
-#include <sys/stat.h>
 #include <type_traits>
 #include <vector>
 
@@ -48,6 +47,7 @@ struct Args {
   int eval_every = 0;  ///< 0: 4 times per epoch
   double target_acc = 0.88;
   bool append = false;
+  bool help = false;  ///< -h or --help: print the usage and exit 0 (MPI finalised as usual)
   std::vector<std::uint64_t> seeds{1, 2, 3};
   std::map<std::string, std::vector<double>> lrs;  ///< per optimizer; empty: its default
   std::string model_figures = "measured";  ///< the cost-model line's machine figures: measured | defaults
@@ -95,6 +95,7 @@ void usage() {
       "  --threads N                     BLAS threads (default: leave OpenBLAS's choice)\n"
       "  --out DIR                       where log.csv and accuracy.png go (default results)\n"
       "  --append                        append to DIR/log.csv instead of starting it afresh\n"
+      "  -h, --help                      this text\n"
       "  --data DIR                      Fashion-MNIST files (default /usr/share/datasets/fashion-mnist)\n"
       "  --train-subset N --test-subset N   use only the first N samples\n"
       "  --eval-every N                  evaluate every N steps and at epoch ends (default: mlp 20,\n"
@@ -140,8 +141,8 @@ Args parse(const std::vector<std::string>& argv) {
   for (std::size_t i = 0; i < argc; ++i) {
     std::string key = argv[i], value;
     if (key == "-h" || key == "--help") {
-      usage();
-      std::exit(0);
+      a.help = true;
+      return a;
     }
     if (key == "--append") {
       a.append = true;
@@ -392,7 +393,7 @@ int run(const Args& args, const nn::World& world) {
   const std::vector<nn::OptimizerKind> kinds = optimizers(args.optimizer, lead);
   if (args.model_figures != "measured" && args.model_figures != "defaults")
     throw std::invalid_argument("--model-figures: expected measured or defaults");
-  if (lead) mkdir(args.out.c_str(), 0777);  // an existing directory is fine; CsvLog reports real failures
+  if (lead) demo::make_output_dir(args.out);
 
   const nn::Dataset train = nn::load_fashion_mnist(args.data, "train", args.train_subset);
   const nn::Dataset test = nn::load_fashion_mnist(args.data, "t10k", args.test_subset);
@@ -513,6 +514,10 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     if (world.rank() == 0) std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
     return 2;
+  }
+  if (args.help) {
+    if (world.rank() == 0) usage();
+    return 0;
   }
   int kokkos_argc = int(kokkos_argv.size());
   Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_argv.data());

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <stdexcept>
@@ -119,6 +120,15 @@ class Progress {
   bool tty_;
   double last_draw_ = -1.0;
 };
+
+/// \brief Creates `dir` and every missing folder above it (an existing one is fine); throws
+/// naming the folder when it cannot, before any training starts.
+inline void make_output_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir))
+    throw std::runtime_error("cannot create the output folder " + dir + (ec ? ": " + ec.message() : std::string()));
+}
 
 /// \brief The CSV log: optimizer,seed,lr,epoch,step,wall_s,train_loss,test_acc (train_loss is
 /// empty on the row written before training).

@@ -27,7 +27,6 @@
 #include <memory>
 #include <sstream>
 #include <string>
-#include <sys/stat.h>
 #include <vector>
 
 extern "C" void openblas_set_num_threads(int) __attribute__((weak));
@@ -44,7 +43,29 @@ struct Args {
   int epochs = 3, batch = 128, train_subset = 0, test_subset = 0;
   double lr = 0.05, momentum = 0.9, target = 0.85, kfac_lr = 0.1;
   double require_acc = 0;  ///< exit 1 when a run ends below this test accuracy (the ctest run)
+  kfac::FdgUpdateOrder order = kfac::FdgUpdateOrder::update_then_forward;
+  bool help = false;
 };
+
+void usage() {
+  std::printf(
+      "usage: mpiexec -n K fdg_fashion_mnist [options]   (K ranks: the FDG and synchronous runs use K stages)\n"
+      "  --modes LIST          comma list of bp, sync, fdg, kfac, fdg-kfac (default bp,sync,fdg)\n"
+      "  --betas LIST          gradient-shrinking factors of the fdg runs, in (0, 1] (default 1,0.5)\n"
+      "  --update-order O      update-then-forward (the authors' code; default) or forward-then-update\n"
+      "  --widths LIST         the MLP's layer widths, 784 first and 10 last (default 784,512,512,512,512,10)\n"
+      "  --seeds LIST          initialisation and batch-order seeds (default 1,2,3)\n"
+      "  --epochs N            epochs per run (default 3)\n"
+      "  --batch N             samples per batch (default 128)\n"
+      "  --lr X --momentum X   SGD settings (default 0.05, 0.9)\n"
+      "  --kfac-lr X           learning rate of the kfac and fdg-kfac runs (default 0.1)\n"
+      "  --target X            accuracy for the time-to-target column (default 0.85)\n"
+      "  --train-subset N --test-subset N   the first N samples only\n"
+      "  --data DIR            Fashion-MNIST files (default /usr/share/datasets/fashion-mnist)\n"
+      "  --out DIR             log.csv and the plot, created if missing (default results/fdg)\n"
+      "  --require-acc X       exit 1 when a run ends below this test accuracy\n"
+      "  -h, --help            this text\n");
+}
 
 template <class T>
 std::vector<T> list_of(const std::string& s) {
@@ -65,6 +86,10 @@ Args parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k.rfind("--kokkos-", 0) == 0) continue;
+    if (k == "-h" || k == "--help") {
+      a.help = true;
+      return a;
+    }
     if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
     const std::string v = argv[++i];
     if (k == "--data") a.data = v;
@@ -82,7 +107,11 @@ Args parse(int argc, char** argv) {
     else if (k == "--momentum") a.momentum = std::stod(v);
     else if (k == "--target") a.target = std::stod(v);
     else if (k == "--require-acc") a.require_acc = std::stod(v);
-    else throw std::invalid_argument("unknown flag " + k);
+    else if (k == "--update-order") {
+      if (v == "update-then-forward") a.order = kfac::FdgUpdateOrder::update_then_forward;
+      else if (v == "forward-then-update") a.order = kfac::FdgUpdateOrder::forward_then_update;
+      else throw std::invalid_argument("--update-order: update-then-forward or forward-then-update, not " + v);
+    } else throw std::invalid_argument("unknown flag " + k + " (see --help)");
   }
   for (const auto& m : a.modes)
     if (m != "bp" && m != "sync" && m != "fdg" && m != "kfac" && m != "fdg-kfac")
@@ -193,7 +222,7 @@ Run train_one(const Args& args, const std::string& mode, int stages, double beta
   const auto schedule = mode == "sync" ? kfac::PipelineSchedule::synchronous : kfac::PipelineSchedule::fdg;
   kfac::Pipeline<nn::MlpStage> pipe(kfac::MpiComm(MPI_COMM_WORLD), stage,
                                     kfac::PipelineOptions{}.with_stages(stages).with_batch_size(args.batch)
-                                        .with_beta(beta).with_schedule(schedule));
+                                        .with_beta(beta).with_schedule(schedule).with_update_order(args.order));
   nn::Batcher batcher(train, args.batch, seed);
   nn::SoftmaxCrossEntropy xent;
   nn::BatchStats stats;
@@ -271,7 +300,21 @@ int run_all(const Args& args) {
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   if (openblas_set_num_threads) openblas_set_num_threads(1);
   const bool lead = rank == 0;
-  if (lead) mkdir(args.out.c_str(), 0777);
+  // Rank 0 writes the outputs. It opens them before any collective, and every rank learns
+  // whether it could: a rank that throws alone would leave the others waiting for it.
+  std::unique_ptr<demo::CsvLog> log;
+  std::string cannot;
+  if (lead) {
+    try {
+      demo::make_output_dir(args.out);
+      log = std::make_unique<demo::CsvLog>(args.out + "/log.csv", false);
+    } catch (const std::exception& e) {
+      cannot = e.what();
+    }
+  }
+  int failed = cannot.empty() ? 0 : 1;
+  MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (failed) throw std::runtime_error(lead ? cannot : "rank 0 cannot write to " + args.out);
   const nn::Dataset train = nn::load_fashion_mnist(args.data, "train", args.train_subset);
   const nn::Dataset test = nn::load_fashion_mnist(args.data, "t10k", args.test_subset);
   if (lead) {
@@ -280,8 +323,6 @@ int run_all(const Args& args) {
     std::printf(", batch %d, lr %g, momentum %g, %d epochs, %d ranks (one BLAS thread each)\n", args.batch, args.lr,
                 args.momentum, args.epochs, size);
   }
-  std::unique_ptr<demo::CsvLog> log;
-  if (lead) log = std::make_unique<demo::CsvLog>(args.out + "/log.csv", false);
   demo::Progress progress;
   std::vector<Run> runs;
   for (std::uint64_t seed : args.seeds)
@@ -395,7 +436,11 @@ int main(int argc, char** argv) {
     int kokkos_argc = int(kokkos_argv.size());
     Kokkos::ScopeGuard kokkos(kokkos_argc, kokkos_argv.data());
     try {
-      rc = run_all(parse(argc, argv));
+      const Args args = parse(argc, argv);
+      int rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      if (args.help && rank == 0) usage();
+      rc = args.help ? 0 : run_all(args);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fdg_fashion_mnist: %s\n", e.what());
       rc = 1;

@@ -23,7 +23,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <sys/stat.h>
 #include <vector>
 
 namespace {
@@ -80,7 +79,8 @@ void usage() {
       "  --out DIR                  log.csv and accuracy.png (default results_libtorch)\n"
       "  --data DIR                 Fashion-MNIST files (default /usr/share/datasets/fashion-mnist)\n"
       "  --train-subset N --test-subset N   the first N samples only\n"
-      "  --target-acc X             accuracy for the time-to-target columns (default 0.88)\n");
+      "  --target-acc X             accuracy for the time-to-target columns (default 0.88)\n"
+      "  -h, --help                 this text\n");
 }
 
 std::vector<double> numbers(const std::string& key, const std::string& v) {
@@ -268,7 +268,7 @@ demo::RunSummary train_one(const Args& a, const std::string& name, double lr, st
 
 int run(const Args& a) {
   if (a.threads > 0) torch::set_num_threads(a.threads);
-  mkdir(a.out.c_str(), 0777);
+  demo::make_output_dir(a.out);
   const Data train = load(a.data, "train", a.train_subset), test = load(a.data, "t10k", a.test_subset);
   std::printf("Fashion-MNIST with LibTorch %s (CPU, %d threads): %d training and %d test images; CNN with BatchNorm, batch %d\n"
               "times count training steps only (test evaluations are excluded)\n",

@@ -244,22 +244,18 @@ void transfer_factor(const Exec& exec, const FactorBuffer& f, const Flat& flat, 
 /// Sum of squares of a matrix's entries, in double.
 template <class Exec, class M>
 double sum_of_squares(const Exec& exec, const M& m) {
-  // Eight independent partial sums per index: a plain reduction is one dependent chain of
-  // additions on a serial backend and ran 5x slower than this (as long as the copy it checks).
+  // Eight-term blocks as the terms: a plain reduction is one dependent chain of additions on a
+  // serial backend and ran 5x slower than this (as long as the copy it checks); ordered_sum's
+  // fixed order makes the result the same on every host backend.
   constexpr long w = 8;
   const long size = long(m.span()), full = size / w;
   const auto* p = m.data();
-  double s = 0;
-  Kokkos::parallel_reduce(
-      "kfac::check::sum_of_squares", Kokkos::RangePolicy<Exec>(exec, 0, full + 1),
-      KOKKOS_LAMBDA(long b, double& acc) {
-        const long end = b < full ? (b + 1) * w : size;
-        double part = 0;
-        for (long i = b * w; i < end; ++i) part += double(p[i]) * double(p[i]);
-        acc += part;
-      },
-      s);
-  return s;
+  return ordered_sum(exec, "kfac::check::sum_of_squares", full + 1, KOKKOS_LAMBDA(long b) {
+    const long end = b < full ? (b + 1) * w : size;
+    double part = 0;
+    for (long i = b * w; i < end; ++i) part += double(p[i]) * double(p[i]);
+    return part;
+  });
 }
 
 /// \brief x = [w b]^T (and the same into `copy` when given): the caller's row-major (g x c)

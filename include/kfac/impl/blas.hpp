@@ -10,6 +10,7 @@
 
 #include "kfac/error.hpp"
 #include "kfac/impl/math.hpp"
+#include "kfac/impl/ordered_sum.hpp"
 #if defined(KFAC_HAVE_CUSOLVER)
 #include "kfac/impl/cusolver.hpp"
 #endif
@@ -473,11 +474,10 @@ int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T,
   Matrix<T, Exec> m("kfac::ns::m", n, n), t("kfac::ns::t", n, n), y("kfac::ns::y", n, n);
   symmetric_copy(exec, f, m);
   add_diagonal(exec, m, shift);
-  double fro2 = 0;
-  Kokkos::parallel_reduce(
-      "kfac::linalg::frobenius",
-      ColumnMajorRange<Exec>(exec, {0, 0}, {n, n}),
-      KOKKOS_LAMBDA(int i, int j, double& s) { s += double(m(i, j)) * double(m(i, j)); }, fro2);
+  // Fixed-order sums (ordered_sum.hpp): the start and the iteration count are the same on every
+  // host backend, so the result is too.
+  const double fro2 = ordered_sum(exec, "kfac::linalg::frobenius", n, n,
+                                  KOKKOS_LAMBDA(long i, long j) { return double(m(i, j)) * double(m(i, j)); });
   const T inv_norm = T(1.0 / std::sqrt(fro2));
   Kokkos::parallel_for(
       "kfac::linalg::ns_init",
@@ -488,15 +488,10 @@ int newton_schulz_inverse(const Exec& exec, const F& f, T shift, const Matrix<T,
   double previous = 1e300;
   for (int it = 1; it <= max_iterations; ++it) {
     gemm(exec, "N", "N", T(1), m, x, T(0), t);  // t = M X
-    double res2 = 0;
-    Kokkos::parallel_reduce(
-        "kfac::linalg::ns_residual",
-        ColumnMajorRange<Exec>(exec, {0, 0}, {n, n}),
-        KOKKOS_LAMBDA(int i, int j, double& s) {
-          const double r = double(i == j) - double(t(i, j));
-          s += r * r;
-        },
-        res2);
+    const double res2 = ordered_sum(exec, "kfac::linalg::ns_residual", n, n, KOKKOS_LAMBDA(long i, long j) {
+      const double r = double(i == j) - double(t(i, j));
+      return r * r;
+    });
     const double res = std::sqrt(res2);
     if (!std::isfinite(res)) throw Error("", "Newton-Schulz iteration diverged");
     if (res < tol || (res < 1e-2 && res >= previous)) return it;  // converged or at round-off

@@ -9,6 +9,9 @@
 /// t - 2(K - 1) + k, whose input it stashed 2(K - k - 1) steps earlier. Activations go down the
 /// pipeline and gradients up it with MPI_Isend / MPI_Irecv; what is sent at step t is received
 /// during step t and used at step t + 1, so communication overlaps the next step's compute.
+/// Within a step a stage below the last back-propagates the old batch and updates before it
+/// forwards the new one, as the authors' code does (kfac::FdgUpdateOrder::update_then_forward;
+/// PipelineOptions::with_update_order(forward_then_update) forwards first, kfac 0.1's order).
 ///
 /// Gradient shrinking, as the authors' code does it: every stage k < K - 1 multiplies the
 /// output gradient it receives by beta before its backward, so its parameter gradient and the
@@ -55,15 +58,18 @@ enum class PipelineSchedule { fdg, synchronous };
 /// | long | batch_size | samples per batch; every batch of a run must have exactly this many | required |
 /// | double | beta | gradient-shrinking factor in (0, 1]; 1 shrinks nothing | 1 |
 /// | PipelineSchedule | schedule | fdg or synchronous | fdg |
+/// | FdgUpdateOrder | update_order | under fdg, whether a stage below the last updates before (the authors' code) or after it forwards | update_then_forward |
 struct PipelineOptions {
   int stages = 0;
   long batch_size = 0;
   double beta = 1.0;
   PipelineSchedule schedule = PipelineSchedule::fdg;
+  FdgUpdateOrder update_order = FdgUpdateOrder::update_then_forward;
   PipelineOptions with_stages(int v) const { auto o = *this; o.stages = v; return o; }
   PipelineOptions with_batch_size(long v) const { auto o = *this; o.batch_size = v; return o; }
   PipelineOptions with_beta(double v) const { auto o = *this; o.beta = v; return o; }
   PipelineOptions with_schedule(PipelineSchedule v) const { auto o = *this; o.schedule = v; return o; }
+  PipelineOptions with_update_order(FdgUpdateOrder v) const { auto o = *this; o.update_order = v; return o; }
 };
 
 /// What one rank measured over one train() call.
@@ -93,10 +99,11 @@ class Pipeline {
   Pipeline(const MpiComm& comm, Stage& stage, const PipelineOptions& options) : stage_(&stage), opt_(options) {
     impl::check_stage<Stage>();
     const int size = comm.size(), rank = comm.rank();
-    constexpr int kFields = 7;
+    constexpr int kFields = 8;
     const double mine[kFields] = {double(options.stages), options.beta, double(stage.input_features()),
                                   double(stage.output_features()), double(sizeof(scalar_type)),
-                                  double(options.batch_size), double(int(options.schedule))};
+                                  double(options.batch_size), double(int(options.schedule)),
+                                  double(int(options.update_order))};
     std::vector<double> all(std::size_t(kFields) * size);
     check(MPI_Allgather(mine, kFields, MPI_DOUBLE, all.data(), kFields, MPI_DOUBLE, comm.comm()), "MPI_Allgather");
     stages_ = validate(all, kFields, size);
@@ -126,7 +133,10 @@ class Pipeline {
   double beta() const { return opt_.beta; }
   const PipelineOptions& options() const { return opt_; }
   /// Steps between the forward of a batch on this stage and the update with its gradient.
-  long delay() const { return active() && opt_.schedule == PipelineSchedule::fdg ? FdgSchedule::delay(index_, stages_) : 0; }
+  long delay() const { return fdg() ? FdgSchedule::delay(index_, stages_) : 0; }
+  /// Updates of this stage between the forward of a batch and the update with its gradient,
+  /// once the pipeline is full (FdgSchedule::staleness; 0 under the synchronous schedule).
+  long staleness() const { return fdg() ? FdgSchedule::staleness(index_, stages_, opt_.update_order) : 0; }
   /// The communicator of the K stage ranks (MPI_COMM_NULL on the others).
   MPI_Comm comm() const { return group_.comm(); }
 
@@ -159,6 +169,8 @@ class Pipeline {
  private:
   static constexpr int kActivationTag = 7301, kGradientTag = 7302;
 
+  bool fdg() const { return active() && opt_.schedule == PipelineSchedule::fdg; }
+
   static void check(int rc, const char* what) {
     if (rc != MPI_SUCCESS) throw Error("", std::string("pipeline: ") + what + " failed with code " + std::to_string(rc));
   }
@@ -176,10 +188,10 @@ class Pipeline {
       if (at(r, 5) < 1) throw Error("", who + "batch_size must be set (>= 1) with PipelineOptions::with_batch_size");
     }
     for (int r = 1; r < size; ++r)
-      for (int f : {0, 1, 4, 5, 6})
+      for (int f : {0, 1, 4, 5, 6, 7})
         if (at(r, f) != at(0, f))
           throw Error("", "pipeline: ranks 0 and " + std::to_string(r) +
-                              " passed different stages, beta, batch_size, schedule or scalar type");
+                              " passed different stages, beta, batch_size, schedule, update_order or scalar type");
     const int stages = at(0, 0) == 0 ? size : int(at(0, 0));
     if (stages > size)
       throw Error("", "pipeline: " + std::to_string(stages) + " stages need " + std::to_string(stages) +
@@ -352,6 +364,14 @@ class Pipeline {
       post_recv(recv_act_[(t + 1) & 1], k - 1, kActivationTag);
     if (!last && valid(FdgSchedule::backward_batch(k, stages_, t + 1)))
       post_recv(recv_grad_[(t + 1) & 1], k + 1, kGradientTag);
+    // Back-propagation and update of the delayed batch (stages below the last).
+    auto update = [&] {
+      if (last || !valid(b)) return;
+      backward(b, recv_grad_[t & 1], send_grad_[t & 1], report, t);
+      if (k > 0) post_send(send_grad_[t & 1], k - 1, kGradientTag);
+    };
+    const bool update_first = opt_.update_order == FdgUpdateOrder::update_then_forward;
+    if (update_first) update();
     if (valid(f)) {
       tensor_type in = k > 0 ? recv_act_[t & 1] : tensor_type();
       if (last) {
@@ -365,10 +385,7 @@ class Pipeline {
         post_send(send_act_[t & 1], k + 1, kActivationTag);  // also after a failure: k + 1 waits for it
       }
     }
-    if (!last && valid(b)) {
-      backward(b, recv_grad_[t & 1], send_grad_[t & 1], report, t);
-      if (k > 0) post_send(send_grad_[t & 1], k - 1, kGradientTag);
-    }
+    if (!update_first) update();
     post_status();
   }
 

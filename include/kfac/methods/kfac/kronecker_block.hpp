@@ -68,22 +68,14 @@ void fold_factor(const Exec& exec, const PMatrix& p, C alpha, C beta0, const FMa
 /// bounds its row and column: \f$|P_{ij}| \le \sqrt{P_{ii} P_{jj}}\f$).
 template <bool diagonal, class Exec, class PMatrix>
 double pending_trace(const Exec& exec, const PMatrix& p) {
-  if (p.extent(0) == 0) return 0;
-  double t = 0;
-  Kokkos::parallel_reduce(
-      "kfac::layer::pending_trace", Kokkos::RangePolicy<Exec>(exec, 0, int(p.extent(0))),
-      KOKKOS_LAMBDA(int i, double& acc) { acc += double(diagonal ? p(i, 0) : p(i, i)); }, t);
-  return t;
+  return ordered_sum(exec, "kfac::layer::pending_trace", long(p.extent(0)),
+                     KOKKOS_LAMBDA(long i) { return double(diagonal ? p(i, 0) : p(i, i)); });
 }
 
 /// Trace of a square factor, in double.
 template <class Exec, class FMatrix>
 double trace(const Exec& exec, const FMatrix& f) {
-  double t = 0;
-  Kokkos::parallel_reduce(
-      "kfac::layer::trace", Kokkos::RangePolicy<Exec>(exec, 0, int(f.extent(0))),
-      KOKKOS_LAMBDA(int i, double& acc) { acc += double(f(i, i)); }, t);
-  return t;
+  return ordered_sum(exec, "kfac::layer::trace", long(f.extent(0)), KOKKOS_LAMBDA(long i) { return double(f(i, i)); });
 }
 
 /// \f$\pi\f$ of Martens & Grosse (2015, §6.3) from the traces of the two factors, 1 when a trace
@@ -389,14 +381,10 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     }
   }
   double inner_product(const Exec& exec) const override {
-    double vg = 0;
     auto out = out_;
     auto x = x_;
-    Kokkos::parallel_reduce(
-        "kfac::layer::vg_sum",
-        impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
-        KOKKOS_LAMBDA(int j, int i, double& s) { s += double(out(j, i)) * double(x(j, i)); }, vg);
-    return vg;
+    return impl::ordered_sum(exec, "kfac::layer::vg_sum", long(na_), long(ng_),
+                             KOKKOS_LAMBDA(long j, long i) { return double(out(j, i)) * double(x(j, i)); });
   }
   impl::Buffer preconditioned() override {
     ensure_workspace();

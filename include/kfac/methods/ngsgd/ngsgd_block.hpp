@@ -236,13 +236,10 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
         KOKKOS_LAMBDA(long i) { v.data()[i] *= g; });
   }
   double inner_product(const Exec& exec) const override {
-    double vg = 0;
     auto out = out_;
     auto x = x_;
-    Kokkos::parallel_reduce(
-        "kfac::ngsgd::vg_sum", impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
-        KOKKOS_LAMBDA(int j, int i, double& s) { s += double(out(j, i)) * double(x(j, i)); }, vg);
-    return vg;
+    return impl::ordered_sum(exec, "kfac::ngsgd::vg_sum", long(na_), long(ng_),
+                             KOKKOS_LAMBDA(long j, long i) { return double(out(j, i)) * double(x(j, i)); });
   }
   impl::Buffer preconditioned() override {
     ensure_workspace();

@@ -175,14 +175,9 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
   double inner_product(const Exec& exec) const override {
     auto x = x_;
     auto out = out_;
-    double vg = 0;
-    Kokkos::parallel_reduce(
-        "kfac::bn::vg_sum", Kokkos::RangePolicy<Exec>(exec, 0, c_),
-        KOKKOS_LAMBDA(int c, double& s) {
-          s += double(out(c, 0)) * double(x(c, 0)) + double(out(c, 1)) * double(x(c, 1));
-        },
-        vg);
-    return vg;
+    return impl::ordered_sum(exec, "kfac::bn::vg_sum", long(c_), KOKKOS_LAMBDA(long c) {
+      return double(out(c, 0)) * double(x(c, 0)) + double(out(c, 1)) * double(x(c, 1));
+    });
   }
   impl::Buffer preconditioned() override {
     ensure_workspace();

@@ -1,0 +1,77 @@
+#pragma once
+/// \file ordered_sum.hpp
+/// \brief Floating-point sums whose order kfac fixes itself, so that a host backend's result does
+/// not depend on the backend, the thread count or the Kokkos version.
+///
+/// Kokkos' parallel_reduce promises a sum, not an order: Kokkos 3.4's OpenMP combines per-thread
+/// partials, and Kokkos 4's OpenMP already differs from Serial in the last bit with one thread.
+/// ordered_sum cuts the terms (column-major over rows x cols) into chunks of kOrderedSumChunk,
+/// sums each chunk from its first term to its last (one chunk per parallel iteration), and adds
+/// the chunks' sums in chunk order on the host. Every step depends on the number of terms only,
+/// so Serial, OpenMP and Threads give the same bits on Kokkos 3.4 and 4.x alike. Up to one chunk
+/// it is exactly the left-to-right sum that Kokkos::Serial's parallel_reduce computes, so results
+/// (and the checkpoint fixtures written with it) do not move on Serial; above it the chunks give
+/// OpenMP its parallelism, as parallel_reduce did. A caller that wants more instruction-level
+/// parallelism makes each term a short sum of its own (sum_of_squares: blocks of 8). On a device backend (CUDA) it is a parallel_reduce: agreement with the host there
+/// is a tolerance anyway (cuBLAS and cuSOLVER replace OpenBLAS and LAPACK; docs/backends.md).
+
+#include <Kokkos_Core.hpp>
+
+#include <cstddef>
+#include <vector>
+
+#include "kfac/impl/math.hpp"
+
+namespace kfac {
+namespace impl {
+
+/// Terms per chunk: part of the sum's definition (another value gives other last bits, the same
+/// on every host backend).
+constexpr long kOrderedSumChunk = 4096;
+
+/// \brief \f$\sum_{i < cols} \sum_{j < rows} f(j, i)\f$ in double, in the fixed order above.
+/// \param f [in] `double f(long j, long i)`, callable on Exec (a KOKKOS_LAMBDA)
+template <class Exec, class F>
+double ordered_sum(const Exec& exec, const char* label, long rows, long cols, const F& f) {
+  const long n = rows * cols;
+  if (n <= 0) return 0;
+  if constexpr (host_accessible_v<Exec>) {
+    const long chunks = (n + kOrderedSumChunk - 1) / kOrderedSumChunk;
+    std::vector<double> part(std::size_t(chunks), 0.0);
+    double* p = part.data();
+    Kokkos::parallel_for(
+        label, Kokkos::RangePolicy<Exec>(exec, 0, chunks), KOKKOS_LAMBDA(long c) {
+          const long begin = c * kOrderedSumChunk, end = begin + kOrderedSumChunk < n ? begin + kOrderedSumChunk : n;
+          long j = begin % rows, i = begin / rows;
+          double s = 0;
+          for (long t = begin; t < end; ++t) {
+            s += f(j, i);
+            if (++j == rows) {
+              j = 0;
+              ++i;
+            }
+          }
+          p[c] = s;
+        });
+    exec.fence();  // the host reads the partial sums
+    double s = 0;
+    for (const double x : part) s += x;
+    return s;
+  } else {
+    double s = 0;
+    Kokkos::parallel_reduce(
+        label, Kokkos::RangePolicy<Exec>(exec, 0, n),
+        KOKKOS_LAMBDA(long t, double& acc) { acc += f(t % rows, t / rows); }, s);
+    return s;
+  }
+}
+
+/// \brief \f$\sum_{i < n} f(i)\f$ in double, in ordered_sum's fixed order.
+/// \param f [in] `double f(long i)`, callable on Exec
+template <class Exec, class F>
+double ordered_sum(const Exec& exec, const char* label, long n, const F& f) {
+  return ordered_sum(exec, label, n, 1L, KOKKOS_LAMBDA(long j, long) { return f(j); });
+}
+
+}  // namespace impl
+}  // namespace kfac
