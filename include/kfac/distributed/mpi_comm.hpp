@@ -84,6 +84,12 @@ class MpiComm {
     std::string old_;
   };
   Scope scope(std::string what) const { return Scope(*this, std::move(what)); }
+  /// \brief Completes `n` requests of `call` on `on` (this communicator or one of its groups)
+  /// under the watchdog: every request kfac waits for is waited for here (Request::wait too).
+  void wait(MPI_Request* r, int n, const char* call, MPI_Comm on) const {
+    state_->dog.check_usable();
+    state_->dog.wait(r, n, call, on);
+  }
   /// \brief The next number of a client of this communicator (a Preconditioner): the
   /// per-step agreement compares it, so that two preconditioners stepped in different orders
   /// on different ranks are an error, not a silent mix-up.

@@ -96,7 +96,8 @@ class Pipeline {
   /// \brief Collective over `comm`: checks the options and that every stage's output width is
   /// the next stage's input width; throws the same kfac::Error on every rank otherwise.
   /// \param stage [in] this rank's stage (kept by reference; ignored on ranks >= K)
-  Pipeline(const MpiComm& comm, Stage& stage, const PipelineOptions& options) : stage_(&stage), opt_(options) {
+  Pipeline(const MpiComm& comm, Stage& stage, const PipelineOptions& options)
+      : comm_(comm), stage_(&stage), opt_(options) {
     impl::check_stage<Stage>();
     const int size = comm.size(), rank = comm.rank();
     constexpr int kFields = 8;
@@ -105,7 +106,12 @@ class Pipeline {
                                   double(options.batch_size), double(int(options.schedule)),
                                   double(int(options.update_order))};
     std::vector<double> all(std::size_t(kFields) * size);
-    check(MPI_Allgather(mine, kFields, MPI_DOUBLE, all.data(), kFields, MPI_DOUBLE, comm.comm()), "MPI_Allgather");
+    {
+      [[maybe_unused]] const auto scope = comm_.scope("Pipeline's constructor");
+      MPI_Request r;
+      check(MPI_Iallgather(mine, kFields, MPI_DOUBLE, all.data(), kFields, MPI_DOUBLE, comm.comm(), &r), "MPI_Iallgather");
+      comm_.wait(&r, 1, "MPI_Allgather", comm.comm());
+    }
     stages_ = validate(all, kFields, size);
     group_ = comm.split(rank < stages_ ? 0 : 1);
     if (rank >= stages_) return;
@@ -153,6 +159,7 @@ class Pipeline {
   PipelineReport train(long batches, Input&& input, Loss&& loss) {
     PipelineReport report;
     if (!active()) return report;
+    [[maybe_unused]] const auto scope = comm_.scope("Pipeline::train, stage " + std::to_string(index_));
     agree_on_batches(batches);
     const double t0 = MPI_Wtime();
     report.batches = batches;
@@ -212,7 +219,9 @@ class Pipeline {
 
   void agree_on_batches(long batches) {
     long v[2] = {batches, -batches};
-    check(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_LONG, MPI_MAX, comm()), "MPI_Allreduce");
+    MPI_Request r;
+    check(MPI_Iallreduce(MPI_IN_PLACE, v, 2, MPI_LONG, MPI_MAX, comm(), &r), "MPI_Iallreduce");
+    comm_.wait(&r, 1, "MPI_Allreduce (batch count)", comm());
     if (v[0] != -v[1] || batches < 0)
       throw Error("", "pipeline: the stages passed different (or negative) batch counts to train(); nothing was run");
   }
@@ -231,8 +240,7 @@ class Pipeline {
   }
   void wait_all(PipelineReport& report) {
     const double t0 = MPI_Wtime();
-    if (!pending_.empty())
-      check(MPI_Waitall(int(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    comm_.wait(pending_.data(), int(pending_.size()), "the step's transfers and status (MPI_Isend, MPI_Irecv, MPI_Iallreduce)", comm());
     pending_.clear();
     report.wait_seconds += MPI_Wtime() - t0;
   }
@@ -252,9 +260,14 @@ class Pipeline {
     const int root = stages_ - int(status_in_);
     std::string what = index_ == root ? error_ : std::string();
     unsigned long long len = what.size();
-    check(MPI_Bcast(&len, 1, MPI_UNSIGNED_LONG_LONG, root, comm()), "MPI_Bcast");
+    MPI_Request r;
+    check(MPI_Ibcast(&len, 1, MPI_UNSIGNED_LONG_LONG, root, comm(), &r), "MPI_Ibcast");
+    comm_.wait(&r, 1, "MPI_Bcast (a stage's error)", comm());
     what.resize(std::size_t(len));
-    if (len > 0) check(MPI_Bcast(&what[0], int(len), MPI_CHAR, root, comm()), "MPI_Bcast");
+    if (len > 0) {
+      check(MPI_Ibcast(&what[0], int(len), MPI_CHAR, root, comm(), &r), "MPI_Ibcast");
+      comm_.wait(&r, 1, "MPI_Bcast (a stage's error)", comm());
+    }
     reset();
     throw Error("", what + " (the pipeline stopped on every stage)");
   }
@@ -416,6 +429,7 @@ class Pipeline {
     post_status();
   }
 
+  MpiComm comm_;  ///< its watchdog waits for every request
   Stage* stage_;
   PipelineOptions opt_;
   int stages_ = 1, index_ = -1, in_ = 0, out_ = 0;
