@@ -23,6 +23,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reference.hpp"
@@ -200,6 +201,9 @@ TEST_CASE("every policy gives the reference backend's results, double", "[backen
     for (const char* v : inversions)
       layers.push_back(dense_data<double>(std::string("fc_") + f + "_" + v, 7, 5, 12, rng));
   layers.push_back(dense_data<double>("fc_diag", 7, 5, 12, rng));
+  // (100 + 1) x 60 = 6060 gradient entries: the KL clip's inner product spans two chunks of
+  // ordered_sum, so its chunked path is compared too.
+  layers.push_back(dense_data<double>("fc_wide", 100, 60, 12, rng));
   layers.push_back(conv_data<double>("conv_sym_eigen", 2, 3, 3, 5, 4, rng));
   layers.push_back(conv_data<double>("conv_full_chol", 2, 3, 3, 5, 4, rng));
   layers.push_back(conv_data<double>("conv_diag", 2, 3, 3, 5, 4, rng));
@@ -222,6 +226,8 @@ TEST_CASE("every policy gives the reference backend's results, double", "[backen
     dense(kfac::Full{}, "full");
     dense(kfac::Symmetric{}, "sym");
     pre.template register_layer<kfac::Dense, kfac::Diagonal>("fc_diag", kfac::Dense(7, 5, true));
+    pre.template register_layer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, P>("fc_wide",
+                                                                                          kfac::Dense(100, 60, true));
     const auto conv = kfac::Conv2d(2, 3, 3, 3).with_padding(1, 1);
     pre.template register_layer<kfac::Conv2d, kfac::Symmetric, kfac::Eigendecomposition<>, P>("conv_sym_eigen", conv);
     pre.template register_layer<kfac::Conv2d, kfac::Full, kfac::Cholesky<>, P>("conv_full_chol", conv);
@@ -255,4 +261,43 @@ TEST_CASE("float and mixed precision give the reference backend's results", "[ba
     pre.template register_layer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::HalfPrecision>("fc_half", d);
   };
   compare<float>(options(0.0), layers, 3, 1e-4, true, reg);
+}
+
+namespace {
+
+/// impl::ordered_sum over `x` viewed as (rows, cols) column-major, on execution space E.
+template <class E>
+double ordered_sum_on(const Kokkos::View<double*, Kokkos::HostSpace>& x, long rows, long cols) {
+  const auto d = Kokkos::create_mirror_view_and_copy(typename E::memory_space(), x);
+  return kfac::impl::ordered_sum(E(), "test::ordered_sum", rows, cols,
+                                 KOKKOS_LAMBDA(long j, long i) { return d(i * rows + j); });
+}
+
+}  // namespace
+
+TEST_CASE("fixed-order sums: the documented order, the same bits on every host backend",
+          "[backend][equivalence][ordered_sum]") {
+  // The order written out from docs/backends.md: chunks of 4096 terms (column-major), each summed
+  // first to last, then the chunks' sums first to last; up to 4096 terms plain left to right.
+  Rng rng(13);
+  for (const auto& shape : std::vector<std::pair<long, long>>{{1, 1}, {7, 1}, {4096, 1}, {4097, 1}, {37, 350}, {12293, 1}}) {
+    const long rows = shape.first, cols = shape.second, n = rows * cols;
+    INFO(rows << " x " << cols);
+    Kokkos::View<double*, Kokkos::HostSpace> x("x", std::size_t(n));
+    // Magnitudes over 12 decades and both signs, so that the order shows in the last bits.
+    for (long i = 0; i < n; ++i) x(i) = rng.uniform() * std::pow(10.0, double(i % 12) - 6.0);
+    double expected = 0;
+    for (long c = 0; c * 4096 < n; ++c) {
+      double chunk = 0;
+      for (long t = c * 4096; t < std::min(n, (c + 1) * 4096); ++t) chunk += x(t);
+      expected += chunk;
+    }
+    double plain = 0;
+    for (long t = 0; t < n; ++t) plain += x(t);
+    if (n <= 4096) CHECK(std::memcmp(&plain, &expected, sizeof(double)) == 0);
+    const double ref = ordered_sum_on<Reference>(x, rows, cols), dev = ordered_sum_on<Backend>(x, rows, cols);
+    CHECK(std::memcmp(&ref, &expected, sizeof(double)) == 0);
+    if (host_backend) CHECK(std::memcmp(&dev, &expected, sizeof(double)) == 0);
+    else CHECK(std::abs(dev - expected) <= 1e-12 * std::abs(expected) + 1e-300);
+  }
 }
