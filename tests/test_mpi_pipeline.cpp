@@ -392,7 +392,7 @@ TEST_CASE("K = 2 and K = 3 follow the delayed-gradient table and the authors' or
       }
 }
 
-TEST_CASE("ranks that disagree on the update order are refused", "[mpi][pipeline][faults]") {
+TEST_CASE("ranks that disagree on the update order, or pass none, are refused", "[mpi][pipeline][faults]") {
   const int size = size_of(), k = rank_in();
   if (size < 2) return;  // one rank cannot disagree with itself
   TestStage st(k, size, 1);
@@ -405,6 +405,15 @@ TEST_CASE("ranks that disagree on the update order are refused", "[mpi][pipeline
   CHECK(everywhere(o.kfac_error));
   CHECK(same_everywhere(o.what));
   CHECK(o.what.find("update_order") != std::string::npos);
+  // A value that is no FdgUpdateOrder (a cast int) is refused by name, not run as one of them.
+  const Outcome cast = attempt([&] {
+    kfac::Pipeline<TestStage> p(kfac::MpiComm(MPI_COMM_WORLD), st, options(size).with_update_order(kfac::FdgUpdateOrder(7)));
+  });
+  report("an update order that is none", cast);
+  CHECK(everywhere(cast.kfac_error));
+  CHECK(same_everywhere(cast.what));
+  CHECK(cast.what.find("pipeline (rank 0): update_order is neither FdgUpdateOrder::update_then_forward") !=
+        std::string::npos);
 }
 
 TEST_CASE("the synchronous schedule is plain back-propagation split over the ranks", "[mpi][pipeline]") {

@@ -193,6 +193,11 @@ class Pipeline {
         throw Error("", who + "beta = " + std::to_string(beta) + " is outside (0, 1] (every rank refused the pipeline)");
       if (at(r, 0) < 0) throw Error("", who + "stages must be >= 1 (0: every rank of the communicator)");
       if (at(r, 5) < 1) throw Error("", who + "batch_size must be set (>= 1) with PipelineOptions::with_batch_size");
+      if (at(r, 6) != double(int(PipelineSchedule::fdg)) && at(r, 6) != double(int(PipelineSchedule::synchronous)))
+        throw Error("", who + "schedule is neither PipelineSchedule::fdg nor synchronous");
+      if (at(r, 7) != double(int(FdgUpdateOrder::update_then_forward)) &&
+          at(r, 7) != double(int(FdgUpdateOrder::forward_then_update)))
+        throw Error("", who + "update_order is neither FdgUpdateOrder::update_then_forward nor forward_then_update");
     }
     for (int r = 1; r < size; ++r)
       for (int f : {0, 1, 4, 5, 6, 7})
