@@ -535,15 +535,16 @@ class MpiComm {
     return idup(of, state_->dog, "MPI_Comm_dup");
   }
   /// MPI_Comm_idup under `dog`. The new handle is written where MPI may still write it after
-  /// a timeout (a late peer completes the duplication): leaked then, never freed memory.
+  /// a timeout (a late peer completes the duplication): kept until the program ends then.
   static MPI_Comm idup(MPI_Comm of, impl::Watchdog& dog, const char* call) {
+    static std::vector<std::unique_ptr<MPI_Comm>> abandoned;
     auto out = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
     MPI_Request r;
     check(MPI_Comm_idup(of, out.get(), &r), "MPI_Comm_idup");
     try {
       dog.wait(&r, 1, call, of);
     } catch (...) {
-      out.release();
+      abandoned.push_back(std::move(out));
       throw;
     }
     return *out;
