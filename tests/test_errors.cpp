@@ -484,7 +484,9 @@ TEST_CASE("misuse found by a user's campaign is refused by name, at registration
     pre.step();
     REQUIRE_FALSE(pre.wants_observations("fc"));
     expect_error([&] { pre.observe_output_grad("fc", V2<double>("g", 4, 3)); }, "fc",
-                 {"output gradient has shape (4, 3, 1, 1)", "expected (batch, 2)"});
+                 {"output gradient has shape (4, 3)", "expected (batch, 2, ...)"});
+    expect_error([&] { pre.observe_output_grad("conv", V4<double>("g", 2, 3, 2, 2)); }, "conv",
+                 {"output gradient has shape (2, 3, 2, 2)", "expected (batch, 2, ...)"});
     expect_error([&] { pre.observe_input("fc", V2<double>("x", 4, 5)); }, "fc", {"input has shape (4, 5, 1, 1)"});
   }
   SECTION("a Conv2d output gradient of the wrong spatial size observed before its input") {

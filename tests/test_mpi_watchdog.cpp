@@ -154,7 +154,7 @@ TEST_CASE("GradientAverager with different view sizes per rank is the same error
   report("GradientAverager sizes", o, 0);
   INFO("rank " << rank_in() << ": " << o.what);
   CHECK(everywhere(o.kfac_error));
-  CHECK(has(o.what, "GradientAverager: ranks registered different views"));
+  CHECK(has(o.what, "GradientAverager: ranks registered different gradient views"));
   CHECK(everywhere(o.seconds < kTimeout));
   CHECK(g == before);
   MPI_Barrier(MPI_COMM_WORLD);

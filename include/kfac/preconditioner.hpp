@@ -154,8 +154,13 @@ class Preconditioner {
     auto& e = reg_.at(name);
     auto t = impl::as_tensor<Scalar, Exec>(name, g, "output gradient");
     if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
+    if (!factor_due(e) || e.skipped || e.poisoned) {  // not used: its width is still checked
+      if (index_t(t.extent(1)) != e.block->weight_rows())
+        throw Error(name, "output gradient has shape " + impl::shape_string(g) + ", expected (batch, " +
+                              std::to_string(e.block->weight_rows()) + ", ...)");
+      return;
+    }
     impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t)));
-    if (!factor_due(e) || e.skipped || e.poisoned) return;
     if (!impl::check_finite(exec_, options_, name, t, "output gradient")) return void(poisoned_ = e.poisoned = true);
     allocating(name, "observe_output_grad", [&] {
       e.block->observe_output_grad(exec_, t, options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0);

@@ -36,11 +36,11 @@ Buffer averaged_buffer_of(const View& v, const char* who) {
 /// views with averager `who`. Without it, different sizes end in MPI's own abort
 /// (MPI_ERR_TRUNCATE) or a wrong average.
 template <class Comm>
-void check_same_buffers(const Comm& comm, const std::vector<Buffer>& buffers, const char* who) {
+void check_same_buffers(const Comm& comm, const std::vector<Buffer>& buffers, const char* who, const char* kind) {
   std::string sig = std::string(who) + ":" + std::to_string(buffers.size()) + ";";
   for (const auto& b : buffers) sig += std::to_string(b.scalar_size) + "x" + std::to_string(b.count) + ";";
   if (!comm.all_equal(sig))
-    throw Error("", std::string(who) + ": ranks registered different views (count, sizes or types; rank " +
+    throw Error("", std::string(who) + ": ranks registered different " + kind + " views (count, sizes or types; rank " +
                         std::to_string(comm.rank()) + " has " + std::to_string(buffers.size()) + " view(s): " + sig +
                         "); nothing was averaged");
 }

@@ -50,7 +50,7 @@ class GradientAverager {
     if (comm_.size() == 1) return;
     if (!checked_) {
       ++collectives_;
-      impl::check_same_buffers(comm_, buffers_, "GradientAverager");
+      impl::check_same_buffers(comm_, buffers_, "GradientAverager", "gradient");
       checked_ = true;
     }
     average_typed<float>();

@@ -141,7 +141,7 @@ class ParameterAverager {
   /// One collective (a hash over ranks): the same number, sizes and types of views everywhere.
   void check_same_views() {
     ++collectives_;
-    impl::check_same_buffers(comm_, buffers_, "ParameterAverager");
+    impl::check_same_buffers(comm_, buffers_, "ParameterAverager", "parameter");
     checked_ = true;
   }
 
