@@ -199,7 +199,7 @@ TEST_CASE("a different schedule on one rank is the same error on every rank", "[
   const int bad = size_of() - 1;
   Pair p(rank_in() == bad ? fault_options().with_inv_update_steps(3) : fault_options(), fault_options());
   const std::string before = saved(p.pre);
-  feed(p.pre, p.net, kSeed, 0, rank_in());
+  const Grads kept = feed(p.pre, p.net, kSeed, 0, rank_in());  // alive until step() returns
   const Outcome o = attempt([&] { p.pre.step(); });
   check_refused("different inv_update_steps", o, "kfac: ranks disagree on this step's hyperparameter values");
   CHECK(everywhere(saved(p.pre) == before && p.pre.step_count() == 0));

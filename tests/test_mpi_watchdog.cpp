@@ -186,7 +186,7 @@ TEST_CASE("hyperparameters that differ by rank are the same error on every rank"
     if (from_step_1) REQUIRE(everywhere(attempt([&] { step_once(pre, layers, 7, 0, rank_in()); }).threw == false));
     const std::string before = saved(pre);
     const long at = pre.step_count();
-    feed(pre, layers, 7, at, rank_in());
+    const Grads kept = feed(pre, layers, 7, at, rank_in());  // the gradients must live until step() returns
     const Outcome o = attempt([&] { pre.step(); });
     check_refused(c.what, o, "ranks disagree on this step's hyperparameter values");
     CHECK(everywhere(saved(pre) == before && pre.step_count() == at));
@@ -208,7 +208,7 @@ TEST_CASE("two preconditioners on one MpiComm stepped in different orders are th
   // Rank 0 steps `first`, the others `second`.
   Pre& mine = rank_in() == 0 ? first : second;
   const std::string before = saved(mine);
-  feed(mine, layers, 9, 1, rank_in());
+  const Grads kept = feed(mine, layers, 9, 1, rank_in());
   const Outcome o = attempt([&] { mine.step(); });
   report("preconditioners stepped in different orders", o);
   INFO("rank " << rank_in() << ": " << o.what);
