@@ -435,6 +435,10 @@ TEST_CASE("Conv2d refuses a kernel that does not fit, at the edge of fitting", "
 TEST_CASE("misuse found by a user's campaign is refused by name, at registration where it can be",
           "[errors][registration]") {
   SECTION("an allocation that cannot succeed") {
+#if defined(__SANITIZE_ADDRESS__)
+    WARN("not under AddressSanitizer: its malloc aborts on a 137 GB request instead of failing");
+    return;
+#endif
     Pre pre(twin_options());
     pre.register_layer<kfac::Dense>("fc", kfac::Dense(3, 2));
     pre.register_layer<kfac::Dense>("huge", kfac::Dense(131072, 2));  // memory comes with the first observation
