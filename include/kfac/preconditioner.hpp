@@ -88,8 +88,8 @@ class Preconditioner {
     for (auto& e : reg_.entries()) {
       e.schedule.next_factor = std::min(e.schedule.next_factor, step_);
       e.schedule.next_inv = std::min(e.schedule.next_inv, step_);
-      if (e.deferred) e.deferred->drop();
     }
+    in_flight_.drop_all();
     registration_checked_ = false;
     fresh_ = true;
   }
@@ -185,7 +185,7 @@ class Preconditioner {
     StepValues v{};
     try {
       v = StepValues::at(options_, step_);
-      due = impl::due_at(reg_, options_, step_, fresh_);
+      due = impl::due_at(reg_, in_flight_, options_, step_, fresh_);
       const double payload_max = dist_.payload_max(options_);
       mine.poisoned = poisoned_ || (options_.nonfinite == NonFinitePolicy::skip && impl::nonfinite_step(reg_, due, exec_, payload_max));
       impl::validate_step(reg_, due, options_, exec_, step_, mine.poisoned, payload_max);
@@ -199,7 +199,7 @@ class Preconditioner {
     mine.client = client_;
     if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size())) return skip_step();
     if (!registration_checked_) check_registration();
-    impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, options_, due, step_);
+    impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, in_flight_, options_, due, step_);
     phases.update_statistics();
     const long retries = phases.decompose();  // on failure: restored, and throws on every rank
     damping_retries_ += retries;
@@ -243,7 +243,8 @@ class Preconditioner {
                                                              " (collective with reduce_to_owner: every rank calls it)");
     impl::share_owned_factors(exec_, reg_, dist_, options_, dist_.assignment().layers());
     const long counters[3] = {step_, last_factor_step_, last_inv_step_};
-    impl::save_checkpoint(os, reg_, counters, communicator().size(), communicator().rank(), with_decompositions);
+    impl::save_checkpoint(os, reg_, in_flight_.snapshot(), counters, communicator().size(), communicator().rank(),
+                          with_decompositions);
   }
   /// \brief Restores a state written by save() (format version 2, or 1 from kfac 0.1). Checks
   /// everything first and changes nothing if any check fails. Statistics restore at any world
@@ -265,7 +266,8 @@ class Preconditioner {
     const long verdict = dist_.agree_max(refused ? 2L : mine ? 0L : 1L);
     if (refused) throw *refused;
     if (verdict == 2) throw Error("", "another rank refused its checkpoint; nothing was loaded");
-    const bool restored = impl::apply_checkpoint(cp, reg_, verdict == 0, exec_, options_.precompute_reciprocal);
+    const bool restored =
+        impl::apply_checkpoint(cp, reg_, in_flight_, verdict == 0, exec_, options_.precompute_reciprocal);
     step_ = cp.counters[0];
     last_factor_step_ = cp.counters[3];
     last_inv_step_ = cp.counters[4];
@@ -276,10 +278,14 @@ class Preconditioner {
 
   /// \brief The KL-clip scale applied by the last step().
   double last_kl_scale() const { return last_nu_; }
-  /// \brief Memory held per layer.
+  /// \brief Memory held per layer (the shadow block of a deferred decomposition in
+  /// workspace_bytes).
   std::vector<MemoryReport> memory_report() const {
     std::vector<MemoryReport> r;
-    for (const auto& e : reg_.entries()) r.push_back(e.memory());
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      r.push_back(reg_[l].block->memory());
+      r.back().workspace_bytes += in_flight_.bytes(l);
+    }
     return r;
   }
   /// \brief The block of a layer, for inspection. Throws if unknown.
@@ -349,6 +355,7 @@ class Preconditioner {
   Exec exec_;
   dist_type dist_;
   impl::Registry<Scalar, Exec> reg_;
+  impl::in_flight_for<Scalar, Exec, dist_type> in_flight_;  ///< deferred decompositions; collectives during step()
   long step_ = 0, last_factor_step_ = -1, last_inv_step_ = -1;
   double last_nu_ = 1.0;
   bool poisoned_ = false, registration_checked_ = false;

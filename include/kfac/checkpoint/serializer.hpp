@@ -84,9 +84,10 @@ void from_host_bytes(const Buffer& b, const char* src) {
 
 /// Writes a version-2 checkpoint of `reg`.
 /// `clock` = step, last statistics step, last decomposition step.
-template <class Scalar, class Exec>
-void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const long (&clock)[3],
-                     int world, int rank, bool with_decompositions) {
+/// `flying`: the deferred decompositions in flight (impl::InFlight::snapshot).
+template <class Scalar, class Exec, class Snapshot>
+void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const std::vector<Snapshot>& flying,
+                     const long (&clock)[3], int world, int rank, bool with_decompositions) {
   long next_factor = clock[0], next_inv = clock[0];
   for (const auto& e : reg.entries()) {
     next_factor = std::min(next_factor, e.schedule.next_factor);
@@ -96,10 +97,8 @@ void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const 
   for (long v : {clock[0], next_factor, next_inv, clock[1], clock[2]}) w.put(std::int64_t(v));
   w.put(std::int32_t(world));
   w.put(std::int32_t(rank));
-  std::vector<std::size_t> flying;
-  for (std::size_t l = 0; with_decompositions && l < reg.size(); ++l)
-    if (reg[l].in_flight()) flying.push_back(l);
-  w.put(std::uint32_t((with_decompositions ? 1 : 0) | (flying.empty() ? 0 : 2)));
+  const bool any_flying = with_decompositions && !flying.empty();
+  w.put(std::uint32_t((with_decompositions ? 1 : 0) | (any_flying ? 2 : 0)));
   w.put(std::uint32_t(reg.size()));
   auto put_buffers = [&](const std::vector<Buffer>& bufs) {
     w.put(std::uint32_t(bufs.size()));
@@ -126,16 +125,15 @@ void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const 
     w.put(std::uint32_t(units));
     for (int u = 0; u < units; ++u) put_buffers(block.unit_buffers(u));
   }
-  if (!flying.empty()) w.put(std::uint32_t(flying.size()));
-  for (std::size_t l : flying) {
-    auto& d = *reg[l].deferred;
-    w.put(std::uint32_t(l));
-    w.put(std::int64_t(d.launched_at()));
-    w.put(std::int64_t(d.swap_at()));
-    w.put(d.damping());
-    w.put(std::uint32_t(d.units().size()));
-    for (int u : d.units()) w.put(std::uint32_t(u));
-    put_buffers(d.units().empty() ? std::vector<Buffer>{} : d.shadow().checkpoint_state());
+  if (any_flying) w.put(std::uint32_t(flying.size()));
+  for (const auto& d : any_flying ? flying : std::vector<Snapshot>{}) {
+    w.put(std::uint32_t(d.layer));
+    w.put(std::int64_t(d.launched));
+    w.put(std::int64_t(d.swap_at));
+    w.put(d.damping);
+    w.put(std::uint32_t(d.units.size()));
+    for (int u : d.units) w.put(std::uint32_t(u));
+    put_buffers(d.state);
   }
   write_checkpoint(os, w.bytes());
 }
@@ -284,12 +282,11 @@ bool decompositions_fit(const CheckpointPlan& cp, const Registry<Scalar, Exec>& 
 
 /// Applies a checked plan: restores state everywhere and decompositions when `same_layout`.
 /// Returns false when some saved decomposition was not restored.
-template <class Scalar, class Exec>
-bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, bool same_layout,
+template <class Scalar, class Exec, class InFlight>
+bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, InFlight& flying, bool same_layout,
                       const Exec& exec, bool precompute) {
   bool restored = true;
-  for (auto& e : reg.entries())
-    if (e.deferred) e.deferred->drop();
+  flying.drop_all();
   for (std::size_t i = 0; i < cp.layers.size(); ++i) {
     auto& e = reg[i];
     auto& block = *e.block;
@@ -335,13 +332,12 @@ bool apply_checkpoint(const CheckpointPlan& cp, Registry<Scalar, Exec>& reg, boo
   // with the decompositions they would replace.
   for (const auto& d : same_layout ? cp.in_flight : std::vector<CheckpointPlan::InFlight>{}) {
     auto& e = reg[d.layer];
-    if (!e.deferred) e.deferred = std::make_unique<DeferredDecomposition<Scalar, Exec>>();
     const auto fill = [&](Block<Scalar, Exec>& shadow) {
       auto bufs = shadow.checkpoint_state();
       for (std::size_t k = 0; k < bufs.size(); ++k) from_host_bytes<Exec>(bufs[k], d.state[k]);
       for (int u : e.decomposed ? d.units : std::vector<int>{}) copy_into(exec, e.block->unit_buffers(u), shadow.unit_buffers(u));
     };
-    e.deferred->launch(exec, e.make_block, fill, d.units, d.damping, d.launched, d.swap_at);
+    flying.deferred(d.layer).launch(exec, e.make_block, fill, d.units, d.damping, d.launched, d.swap_at);
   }
   exec.fence();
   return restored;

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
-#include "kfac/core/deferred.hpp"
 #include "kfac/error.hpp"
 #include "kfac/methods/method_settings.hpp"
 
@@ -36,17 +35,9 @@ struct Entry {
   bool poisoned = false;  ///< an observation of this step was dropped (NaN/Inf under skip)
   typename block_type::grad_matrix w;
   typename block_type::grad_vector b;
-  /// Makes another block of the same layer and method (the shadow of deferred decompositions).
+  /// Makes another block of the same layer and method (the shadow of deferred decompositions,
+  /// which impl::InFlight keeps).
   std::function<std::unique_ptr<block_type>()> make_block;
-  /// The decomposition in flight under Options::decomposition_delay (null: never launched).
-  std::unique_ptr<DeferredDecomposition<Scalar, Exec>> deferred;
-  bool in_flight() const { return deferred && deferred->in_flight(); }
-  /// The block's memory, with the shadow's in workspace_bytes.
-  MemoryReport memory() const {
-    MemoryReport m = block->memory();
-    if (deferred) m.workspace_bytes += deferred->bytes();
-    return m;
-  }
 
   void clear_gradient() {
     has_gradient = false;

@@ -14,6 +14,7 @@
 #include "kfac/core/agreement.hpp"
 #include "kfac/core/backup.hpp"
 #include "kfac/core/half.hpp"
+#include "kfac/core/in_flight.hpp"
 #include "kfac/distributed/bucketing.hpp"
 #include "kfac/distributed/comm_precision.hpp"
 #include "kfac/core/registry.hpp"
@@ -75,36 +76,39 @@ void share_owned_factors(const Exec& exec, const Registry<Scalar, Exec>& reg, co
 /// decomposition_delay) when the layer has decomposable units and a decomposition in use on
 /// every holder (`fresh`: not so after a registration or a load that restored none). Throws
 /// when a decomposition falls due while the layer's previous one is still in flight.
-template <class Scalar, class Exec>
-std::vector<Due> due_at(const Registry<Scalar, Exec>& reg, const Options& o, long step, bool fresh) {
+template <class Scalar, class Exec, class Request>
+std::vector<Due> due_at(const Registry<Scalar, Exec>& reg, const InFlight<Scalar, Exec, Request>& flying,
+                        const Options& o, long step, bool fresh) {
   std::vector<Due> due(reg.size());
   for (std::size_t l = 0; l < reg.size(); ++l) {
     const auto& e = reg[l];
     due[l] = {step >= e.schedule.next_factor, step >= e.schedule.next_inv, e.values_at(o, step)};
     due[l].defer = due[l].inv && o.decomposition_delay > 0 && !fresh && e.schedule.last_inv >= 0 && e.block->units() > 0;
-    if (due[l].inv && !e.skipped && e.in_flight() && step < e.deferred->swap_at())
+    if (due[l].inv && !e.skipped && flying.in_flight(l) && step < flying.deferred(l).swap_at())
       throw Error(e.block->name(), "a decomposition is due at step " + std::to_string(step) + " while the one of step " +
-                                       std::to_string(e.deferred->launched_at()) + " is swapped in only at step " +
-                                       std::to_string(e.deferred->swap_at()) + ": decomposition_delay (" +
+                                       std::to_string(flying.deferred(l).launched_at()) + " is swapped in only at step " +
+                                       std::to_string(flying.deferred(l).swap_at()) + ": decomposition_delay (" +
                                        std::to_string(o.decomposition_delay) + ") must not exceed inv_update_steps");
   }
   return due;
 }
 
+/// The work in flight of a Preconditioner over distribution state `Dist`.
+template <class Scalar, class Exec, class Dist>
+using in_flight_for = InFlight<Scalar, Exec, typename Dist::request_type>;
+
 template <class Scalar, class Exec, class Dist>
 class StepPhases {
  public:
-  StepPhases(const Exec& exec, Registry<Scalar, Exec>& reg, Dist& dist, const Options& o,
+  using in_flight_type = in_flight_for<Scalar, Exec, Dist>;
+  StepPhases(const Exec& exec, Registry<Scalar, Exec>& reg, Dist& dist, in_flight_type& flying, const Options& o,
              const std::vector<Due>& due, long step)
-      : exec_(exec), reg_(reg), dist_(dist), o_(o), due_(due), step_(step) {}
+      : exec_(exec), reg_(reg), dist_(dist), flying_(flying), o_(o), due_(due), step_(step) {}
   StepPhases(const StepPhases&) = delete;
   StepPhases& operator=(const StepPhases&) = delete;
-  /// Nothing is left in flight, even when a phase threw (the next collectives must match).
-  ~StepPhases() {
-    for (std::size_t l = 0; l < unsettled_.size(); ++l) settle(l);
-    dist_.finish_average(exec_);
-    dist_.finish_sharing();
-  }
+  /// Nothing but deferred decompositions is left in flight, even when a phase threw (the next
+  /// collectives must match).
+  ~StepPhases() { flying_.drain(finisher()); }
 
   /// Updates the due layers' statistics and averages them over the replica group. When the
   /// step also decomposes, the old statistics are kept first, for a rollback.
@@ -149,7 +153,8 @@ class StepPhases {
     // step), the sums run while precondition() works and complete at its end.
     bool launching = false;
     for (std::size_t l = 0; l < reg_.size(); ++l) launching = launching || launches(l);
-    if (!decomposes && !launching) dist_.start_average(exec_, averaged, o_);
+    if (!decomposes && !launching)
+      flying_.add_sums(dist_.start_average(exec_, averaged, o_), [this] { dist_.finish_average(exec_); });
     else dist_.average(exec_, averaged, o_);
   }
 
@@ -172,7 +177,6 @@ class StepPhases {
   /// keep the schedule.
   void launch(std::size_t l) {
     auto& e = reg_[l];
-    if (!e.deferred) e.deferred = std::make_unique<DeferredDecomposition<Scalar, Exec>>();
     std::vector<int> mine;
     for (int u = 0; dist_.holds(l) && u < e.block->units(); ++u)
       if (dist_.computes(l, u)) mine.push_back(u);
@@ -185,8 +189,9 @@ class StepPhases {
     // Options::background_sharing: every holder takes part in the broadcasts from its thread.
     const bool background = dist_.holds(l) && e.block->units() > 0 && e.block->decomposes_off_thread() &&
                             dist_.shares_in_background(o_);
-    e.deferred->launch(exec_, e.make_block, fill, std::move(mine), due_[l].values.damping, step_,
-                       step_ + o_.decomposition_delay, background ? dist_.background_sharer(l) : BackgroundSharer{});
+    flying_.deferred(l).launch(exec_, e.make_block, fill, std::move(mine), due_[l].values.damping, step_,
+                               step_ + o_.decomposition_delay,
+                               background ? dist_.background_sharer(l) : BackgroundSharer{});
   }
 
   /// The step succeeded: observations are consumed and the schedules advance.
@@ -241,28 +246,28 @@ class StepPhases {
       auto& e = reg_[l];
       if (e.skipped) continue;
       [[maybe_unused]] const auto layer_scope = comm_scope(dist_.comm(), "layer '", e.block->name(), "'");
-      settle(l);  // its units arrive while the layers before it are preconditioned
+      flying_.settle(l, finisher());  // its units arrive while the layers before it are preconditioned
       divided[l] = dist_.split_parts(o_, l) > 1 && e.block->split_passes() > 0;
       e.block->load_gradient(exec_, e.w, e.b);  // receivers too: X enters the KL-clip sum
       if (dist_.holds(l)) {
         if (divided[l]) passes[l] = e.block->split_passes();
-        else if (e.block->units() == 0 && dist_.averaging_in_flight()) later[l] = 1;
+        else if (e.block->units() == 0 && flying_.averaging()) later[l] = 1;
         else e.block->apply(exec_, due_[l].values.damping);
       }
       if (overlap && !divided[l]) {
         exec_.fence();
-        dist_.share_gradient(l, e.block->preconditioned());
-        dist_.progress();
+        flying_.add(Started::gradient, l, dist_.share_gradient(l, e.block->preconditioned()));
+        flying_.progress();
       }
     }
     precondition_split(passes, overlap);
     if (overlap)
       for (std::size_t l = 0; l < reg_.size(); ++l)
-        if (divided[l]) dist_.share_gradient(l, reg_[l].block->preconditioned());
-    dist_.finish_average(exec_);
+        if (divided[l]) flying_.add(Started::gradient, l, dist_.share_gradient(l, reg_[l].block->preconditioned()));
+    flying_.complete_sums();
     for (std::size_t l = 0; l < reg_.size(); ++l)
       if (later[l]) reg_[l].block->apply(exec_, due_[l].values.damping);
-    if (overlap) return dist_.finish_sharing();
+    if (overlap) return flying_.complete_sharing();
     if (!dist_.shares_gradients()) return;
     exec_.fence();
     for (std::size_t l = 0; l < reg_.size(); ++l)
@@ -284,11 +289,11 @@ class StepPhases {
         b.apply_rows(exec_, due_[l].values.damping, pass, rows.first, rows.second);
         if (!overlap) continue;
         exec_.fence();
-        dist_.gather_rows(l, b.preconditioned(), b.split_rows());
-        dist_.progress();
+        flying_.add(Started::gradient, l, dist_.gather_rows(l, b.preconditioned(), b.split_rows()));
+        flying_.progress();
       }
       if (overlap) {
-        dist_.finish_sharing();
+        flying_.complete_sharing();
         continue;
       }
       exec_.fence();
@@ -297,17 +302,15 @@ class StepPhases {
     }
   }
 
-  /// Completes layer l's decomposition when its units' broadcasts were left in flight by
-  /// decompose_now() (Options::overlap_communication): waits for them, then finishes it.
-  void settle(std::size_t l) {
-    if (l >= unsettled_.size() || unsettled_[l] < 0) return;
-    const double damping = unsettled_[l];
-    unsettled_[l] = -1.0;
-    auto& e = reg_[l];
-    dist_.finish_units(l);
-    e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
-    e.decomposed = true;
-    e.decomposition_damping = damping;
+  /// What completes a layer's decomposition once its units' broadcasts, left in flight by
+  /// decompose_now() (Options::overlap_communication), have arrived.
+  auto finisher() {
+    return [this](std::size_t l, double damping) {
+      auto& e = reg_[l];
+      e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
+      e.decomposed = true;
+      e.decomposition_damping = damping;
+    };
   }
 
   /// Layer l decomposes at once.
@@ -317,7 +320,9 @@ class StepPhases {
   }
   /// Layer l's deferred decomposition is swapped in at this step (the first that runs from its
   /// swap step on: a skipped step swaps nothing).
-  bool swaps(std::size_t l) const { return !reg_[l].skipped && reg_[l].in_flight() && step_ >= reg_[l].deferred->swap_at(); }
+  bool swaps(std::size_t l) const {
+    return !reg_[l].skipped && flying_.in_flight(l) && step_ >= flying_.deferred(l).swap_at();
+  }
   bool launches(std::size_t l) const { return !reg_[l].skipped && due_[l].inv && due_[l].defer; }
   bool decomposes_now() const {
     for (std::size_t l = 0; l < reg_.size(); ++l)
@@ -337,8 +342,7 @@ class StepPhases {
       e.block->allocate_units();
       std::vector<int> units;
       if (swap) {
-        e.deferred->wait();
-        units = e.deferred->units();
+        units = flying_.await(l).units();
       } else {
         e.block->prepare_decomposition(exec_);
         for (int u = 0; u < e.block->units(); ++u)
@@ -352,10 +356,11 @@ class StepPhases {
           if (!swap) {
             retries += with_retries(*e.block, u, due_[l].values.damping);
           } else {  // the first attempt ran in flight; retries, if any, run here on the shadow
-            const long r = with_retries(e.deferred->shadow(), u, e.deferred->damping(), &e.deferred->failure(k));
+            auto& d = flying_.deferred(l);
+            const long r = with_retries(d.shadow(), u, d.damping(), &d.failure(k));
             retries += r;
-            reshare = reshare || (r > 0 && e.deferred->shared_in_background());
-            copy_into(exec_, e.deferred->shadow().unit_buffers(u), e.block->unit_buffers(u));
+            reshare = reshare || (r > 0 && d.shared_in_background());
+            copy_into(exec_, d.shadow().unit_buffers(u), e.block->unit_buffers(u));
           }
         } catch (const Error& err) {
           failed = err;
@@ -372,7 +377,7 @@ class StepPhases {
     if (verdict > 1) {
       rollback();
       for (std::size_t l = 0; l < reg_.size(); ++l)
-        if (swaps(l)) reg_[l].deferred->drop();
+        if (swaps(l)) flying_.deferred(l).drop();
       if (world == 1) throw *failed;
       const int root = world - int(verdict - 1);
       const bool me = rank == root;
@@ -384,31 +389,29 @@ class StepPhases {
       auto& e = reg_[l];
       const bool swap = swaps(l);
       if (!(swap || needs(l)) || !dist_.holds(l)) continue;
-      const double damping = swap ? e.deferred->damping() : due_[l].values.damping;
+      const double damping = swap ? flying_.deferred(l).damping() : due_[l].values.damping;
       if (e.block->units() > 0) {
         exec_.fence();
-        const bool received = swap && e.deferred->shared_in_background();
-        if (received) dist_.count_background(e.deferred->sent());
+        const bool received = swap && flying_.deferred(l).shared_in_background();
+        if (received) dist_.count_background(flying_.deferred(l).sent());
         if (received && verdict == 0) {  // the others' units arrived in the background
-          const auto& mine = e.deferred->units();
+          const auto& mine = flying_.deferred(l).units();
           for (int u = 0; u < e.block->units(); ++u)
             if (std::find(mine.begin(), mine.end(), u) == mine.end())
-              copy_into(exec_, e.deferred->shadow().unit_buffers(u), e.block->unit_buffers(u));
+              copy_into(exec_, flying_.deferred(l).shadow().unit_buffers(u), e.block->unit_buffers(u));
         } else {
-          for (int u = 0; u < e.block->units(); ++u) dist_.share_unit(l, u, e.block->unit_buffers(u));
+          for (int u = 0; u < e.block->units(); ++u)
+            flying_.add(Started::unit, l, dist_.share_unit(l, u, e.block->unit_buffers(u)));
           if (dist_.overlaps()) {  // the broadcasts are in flight: precondition() settles the layer
-            unsettled_.resize(reg_.size(), -1.0);
-            unsettled_[l] = damping;
+            flying_.leave_unsettled(l, damping);
             continue;
           }
         }
       }
-      e.block->finish_decomposition(exec_, damping, o_.precompute_reciprocal);
-      e.decomposed = true;
-      e.decomposition_damping = damping;
+      finisher()(l, damping);
     }
     for (std::size_t l = 0; l < reg_.size(); ++l)
-      if (swaps(l)) reg_[l].deferred->drop();
+      if (swaps(l)) flying_.deferred(l).drop();
     backup_.clear();
     return retries;
   }
@@ -464,13 +467,13 @@ class StepPhases {
   const Exec& exec_;
   Registry<Scalar, Exec>& reg_;
   Dist& dist_;
+  in_flight_type& flying_;
   const Options& o_;
   const std::vector<Due>& due_;
   const long step_;
   StateBackup<Exec> backup_;
   std::vector<char> had_state_;
   std::vector<Kokkos::View<char*, typename Exec::memory_space>> kept_;
-  std::vector<double> unsettled_;  ///< per layer: the damping of a decomposition whose units are in flight (-1: none)
 };
 
 }  // namespace impl

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
+#include "kfac/core/in_flight.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/distributed/work_assignment.hpp"
 
@@ -22,6 +23,7 @@ struct Independent {
   template <class Exec, class Comm>
   class State {
    public:
+    using request_type = impl::request_of_t<Comm>;
     explicit State(Comm comm) : comm_(std::move(comm)) {}
     const Comm& comm() const { return comm_; }
     std::string signature(const Options&) const { return "independent;"; }
@@ -44,25 +46,23 @@ struct Independent {
     double payload_max(const Options&) const { return HUGE_VAL; }
     void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
     /// Nothing travels, so nothing overlaps (Options::overlap_communication does nothing).
-    void start_average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
-    bool averaging_in_flight() const { return false; }
+    std::vector<request_type> start_average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {
+      return {};
+    }
     void finish_average(const Exec&) {}
     bool overlaps() const { return false; }
-    void progress() {}
-    void finish_sharing() {}
-    void finish_units(std::size_t) {}
     int factor_owner(const Options&, std::size_t, int) const { return -1; }
     void share_factors(const Exec&, const std::vector<impl::FactorBuffer>&) const {}
-    void share_unit(std::size_t, int, const std::vector<impl::Buffer>&) {}
+    std::vector<request_type> share_unit(std::size_t, int, const std::vector<impl::Buffer>&) { return {}; }
     bool shares_in_background(const Options&) const { return false; }
     impl::BackgroundSharer background_sharer(std::size_t) { return {}; }
     void count_background(std::pair<std::size_t, std::size_t>) {}
-    void share_gradient(std::size_t, const impl::Buffer&) {}
+    request_type share_gradient(std::size_t, const impl::Buffer&) { return {}; }
     bool shares_gradients() const { return false; }
     /// No rank shares a layer's preconditioning (Options::split_preconditioning does nothing).
     int split_parts(const Options&, std::size_t) const { return 1; }
     int split_part(std::size_t) const { return 0; }
-    void gather_rows(std::size_t, const impl::Buffer&, index_t) {}
+    request_type gather_rows(std::size_t, const impl::Buffer&, index_t) { return {}; }
 
    private:
     Comm comm_;

@@ -10,7 +10,9 @@
 /// Contract of a distribution policy (see also kfac::Independent): a tag type with
 /// `distribution_tag` and a nested `State<Exec, Comm>` the Preconditioner builds, with
 /// signature(), check_same(), plan(), holds(), computes(), agree_max(), average(),
-/// share_units() and share_gradients(). The state owns every sub-communicator it makes.
+/// share_units() and share_gradients(). The state owns every sub-communicator it makes; the
+/// collectives it starts are returned as requests, which the caller keeps in its
+/// impl::InFlight until they complete (the state keeps no request).
 
 #include <Kokkos_Core.hpp>
 #include <cfloat>
@@ -23,6 +25,7 @@
 
 #include "kfac/core/block.hpp"
 #include "kfac/core/half.hpp"
+#include "kfac/core/in_flight.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/distributed/bucketing.hpp"
 #include "kfac/distributed/staging.hpp"
@@ -36,23 +39,6 @@ template <class C, class = void>
 struct has_thread_multiple : std::false_type {};
 template <class C>
 struct has_thread_multiple<C, std::void_t<decltype(std::declval<const C&>().thread_multiple())>> : std::true_type {};
-/// The communicator has nonblocking collectives (kfac::MpiComm::start_sum and its kin).
-template <class C, class = void>
-struct has_nonblocking : std::false_type {};
-template <class C>
-struct has_nonblocking<C, std::void_t<typename C::request_type>> : std::true_type {};
-/// Comm::request_type, or an empty stand-in for a communicator without nonblocking collectives.
-struct NoRequest {
-  bool test(bool = true) { return true; }
-  bool holds_back() const { return false; }
-  void wait() {}
-};
-template <class C, bool = has_nonblocking<C>::value>
-struct request_of { using type = NoRequest; };
-template <class C>
-struct request_of<C, true> { using type = typename C::request_type; };
-template <class C>
-using request_of_t = typename request_of<C>::type;
 }  // namespace impl
 
 struct Kaisa {
@@ -63,6 +49,7 @@ struct Kaisa {
   class State {
    public:
     using memory_space = typename Exec::memory_space;
+    using request_type = impl::request_of_t<Comm>;  ///< what a started collective returns
     explicit State(Comm comm) : comm_(std::move(comm)) {}
 
     const Comm& comm() const { return comm_; }
@@ -147,16 +134,21 @@ struct Kaisa {
       if (comm_.size() == 1) return;
       for (const auto& b : buckets_of(all, o)) sum_bucket(exec, all, b, o.comm_precision);
     }
-    /// \brief average() as nonblocking collectives (overlaps_sums(); else average() itself):
-    /// the same buckets, payloads, reduce-to-0-and-broadcast and owners, so the same bits and
-    /// bytes, on a duplicate of the communicator made by plan(). Every bucket is packed now
-    /// into its own part of one staging buffer; progress() advances the sums and
-    /// finish_average() completes them and writes the averages back. The buffers must not be
-    /// read or written until then.
-    void start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
-      if (!overlaps_sums()) return average(exec, all, o);
+    /// \brief average() as nonblocking collectives (overlaps_sums(); else average() itself,
+    /// and nothing is returned): the same buckets, payloads, reduce-to-0-and-broadcast and
+    /// owners, so the same bits and bytes, on a duplicate of the communicator made by plan().
+    /// Every bucket is packed now into its own part of one staging buffer. Returns the sums,
+    /// one per bucket in start order; once every one is complete, finish_average() writes the
+    /// averages back. The buffers must not be read or written until then.
+    std::vector<request_type> start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all,
+                                            const Options& o) {
+      std::vector<request_type> sums;
+      if (!overlaps_sums()) {
+        average(exec, all, o);
+        return sums;
+      }
       if constexpr (impl::has_nonblocking<Comm>::value) {
-        flight_ = Flight{all, buckets_of(all, o), {}, {}, o.comm_precision};
+        flight_ = Flight{all, buckets_of(all, o), {}, o.comm_precision};
         std::size_t total = 0;
         for (const auto& b : flight_.buckets) {  // each bucket: its flat values, then its payload
           const std::size_t n = impl::bucket_count(b.bucket), flat = impl::flat_scalar_size(b.scalar_size);
@@ -178,55 +170,28 @@ struct Kaisa {
           const auto& b = flight_.buckets[i];
           const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size);
           const bool native = impl::payload_is_native(o.comm_precision, flat_size);
-          flight_.sums.push_back(comm_.start_sum(native ? flight_staging_.data() + flight_.offsets[i] : payload_of(i),
-                                                 impl::bucket_count(b.bucket), flat_size, o.comm_precision, b.owner,
-                                                 sums_group_));
+          sums.push_back(comm_.start_sum(native ? flight_staging_.data() + flight_.offsets[i] : payload_of(i),
+                                         impl::bucket_count(b.bucket), flat_size, o.comm_precision, b.owner,
+                                         sums_group_));
         }
       }
+      return sums;
     }
-    /// True between start_average() and finish_average().
-    bool averaging_in_flight() const { return !flight_.buckets.empty(); }
-    /// Completes the sums started by start_average() (in order) and writes each average into
-    /// its factors, as average() does.
+    /// Writes the averages of the sums returned by start_average() back into their factors,
+    /// as average() does, once every one of them is complete (impl::InFlight::complete_sums).
     void finish_average(const Exec& exec) {
-      if constexpr (impl::has_nonblocking<Comm>::value) {
-        if (flight_.buckets.empty()) return;
-        for (auto& r : flight_.sums) r.wait();
-        for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
-          const auto& b = flight_.buckets[i];
-          if (b.owner >= 0 && b.owner != comm_.rank()) continue;  // reduce-to-owner: only the owner reads the sum
-          void* flat = flight_staging_.data() + flight_.offsets[i];
-          const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
-          if (!impl::payload_is_native(flight_.payload, flat_size))
-            impl::unpack_payload(exec, payload_of(i), n, flat_size, flight_.payload, flat);
-          transfer_bucket(exec, flight_.items, b, flat, false);
-        }
-        exec.fence();
-        flight_ = Flight{};
+      if (flight_.buckets.empty()) return;
+      for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
+        const auto& b = flight_.buckets[i];
+        if (b.owner >= 0 && b.owner != comm_.rank()) continue;  // reduce-to-owner: only the owner reads the sum
+        void* flat = flight_staging_.data() + flight_.offsets[i];
+        const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
+        if (!impl::payload_is_native(flight_.payload, flat_size))
+          impl::unpack_payload(exec, payload_of(i), n, flat_size, flight_.payload, flat);
+        transfer_bucket(exec, flight_.items, b, flat, false);
       }
-      (void)exec;
-    }
-    /// Advances the nonblocking collectives in flight (MPI moves data only inside its calls).
-    void progress() {
-      if constexpr (impl::has_nonblocking<Comm>::value) {
-        bool may_start = true;  // sums start their broadcasts in the order they were started
-        for (auto& r : flight_.sums) {
-          r.test(may_start);
-          may_start = may_start && !r.holds_back();
-        }
-        for (auto& r : shares_) r.test();
-        for (auto& layer : units_in_flight_)
-          for (auto& r : layer) r.test();
-      }
-    }
-    /// Completes the gradient broadcasts and all-gathers started since the last call (and any
-    /// unit broadcasts still in flight).
-    void finish_sharing() {
-      if constexpr (impl::has_nonblocking<Comm>::value) {
-        for (auto& r : shares_) r.wait();
-        shares_.clear();
-        for (std::size_t l = 0; l < units_in_flight_.size(); ++l) finish_units(l);
-      }
+      exec.fence();
+      flight_ = Flight{};
     }
     /// Collective: every rank gets each owned factor's average from its owner (before a
     /// checkpoint or a new assignment), so that every copy is the global factor again.
@@ -239,29 +204,21 @@ struct Kaisa {
                               [&](void* p) { comm_.broadcast(p, f.storage.bytes(), f.owner); });
     }
     /// Shares layer l's unit u from its decomposer with the rest of the worker group.
-    /// With overlaps(), started here and completed by finish_units(l).
-    void share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
-      if (comm_.size() == 1) return;
+    /// With overlaps(), started here and returned (else complete on return).
+    std::vector<request_type> share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
+      std::vector<request_type> started;
+      if (comm_.size() == 1) return started;
       const int root = assignment_.receiver_group_of(assignment_.decomposer(l, u));  // index in its worker group
       for (const auto& b : buffers) {
         if constexpr (impl::has_nonblocking<Comm>::value) {
           if (overlap_) {
-            if (units_in_flight_.size() <= l) units_in_flight_.resize(l + 1);
-            units_in_flight_[l].push_back(comm_.start_broadcast(b.data, b.bytes(), root, worker_));
+            started.push_back(comm_.start_broadcast(b.data, b.bytes(), root, worker_));
             continue;
           }
         }
         broadcast(b, root, worker_);
       }
-    }
-    /// Completes the broadcasts of layer l's units started by share_unit().
-    void finish_units(std::size_t l) {
-      if constexpr (impl::has_nonblocking<Comm>::value) {
-        if (l >= units_in_flight_.size()) return;
-        for (auto& r : units_in_flight_[l]) r.wait();
-        units_in_flight_[l].clear();
-      }
-      (void)l;
+      return started;
     }
     /// Options::background_sharing applies: several ranks, host memory, and a communicator
     /// with MPI_THREAD_MULTIPLE on every rank (the same answer on every rank).
@@ -307,12 +264,13 @@ struct Kaisa {
       else (void)sent;
     }
     /// Sends layer l's preconditioned gradient from its worker group to the receivers.
-    /// With overlaps(), started here and completed by finish_sharing().
-    void share_gradient(std::size_t l, const impl::Buffer& b) {
-      if (units_.at(l) == 0 || assignment_.grad_workers() == comm_.size()) return;
+    /// With overlaps(), started here and returned (else complete on return).
+    request_type share_gradient(std::size_t l, const impl::Buffer& b) {
+      if (units_.at(l) == 0 || assignment_.grad_workers() == comm_.size()) return {};
       if constexpr (impl::has_nonblocking<Comm>::value)
-        if (overlap_) return shares_.push_back(comm_.start_broadcast(b.data, b.bytes(), assignment_.worker_group(l), receiver_));
+        if (overlap_) return comm_.start_broadcast(b.data, b.bytes(), assignment_.worker_group(l), receiver_);
       broadcast(b, assignment_.worker_group(l), receiver_);
+      return {};
     }
     /// True when some layer's gradient travels (a fence is needed before the broadcasts).
     bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
@@ -324,8 +282,9 @@ struct Kaisa {
     /// This rank's part of a divided layer: its index in the layer's worker group.
     int split_part(std::size_t) const { return assignment_.receiver_group_of(comm_.rank()); }
     /// Collective over layer l's worker group: every member gets the others' row blocks
-    /// (impl::row_block) of `b`, a matrix of `rows` rows stored row after row.
-    void gather_rows(std::size_t /*l: every worker group has grad_workers() members*/, const impl::Buffer& b,
+    /// (impl::row_block) of `b`, a matrix of `rows` rows stored row after row. With
+    /// overlaps(), started here and returned (else complete on return).
+    request_type gather_rows(std::size_t /*l: every worker group has grad_workers() members*/, const impl::Buffer& b,
                      index_t rows) {
       const int parts = assignment_.grad_workers();
       const std::size_t row_bytes = rows > 0 ? b.bytes() / std::size_t(rows) : 0;
@@ -335,8 +294,9 @@ struct Kaisa {
         bytes.push_back(std::size_t(r.second - r.first) * row_bytes);
       }
       if constexpr (impl::has_nonblocking<Comm>::value)
-        if (overlap_) return shares_.push_back(comm_.start_all_gather(b.data, bytes, worker_));
+        if (overlap_) return comm_.start_all_gather(b.data, bytes, worker_);
       impl::on_host<Exec>(comm_, b.data, b.bytes(), [&](void* p) { comm_.all_gather(p, bytes, worker_); });
+      return {};
     }
 
    private:
@@ -406,18 +366,15 @@ struct Kaisa {
     Kokkos::View<char*, memory_space> staging_;
     Kokkos::View<char*, memory_space> payload_;  // a bucket converted to a float32 or bfloat16 payload
     bool overlap_ = false;
-    /// Factor sums in flight (start_average() to finish_average()).
+    /// What finish_average() needs of the sums start_average() started.
     struct Flight {
       std::vector<impl::FactorBuffer> items;
       std::vector<impl::FactorBucket> buckets;
       std::vector<std::size_t> offsets;  // of each bucket in flight_staging_
-      std::vector<impl::request_of_t<Comm>> sums;
       CommPrecision payload = CommPrecision::native;
     };
     Flight flight_;
     Kokkos::View<char*, memory_space> flight_staging_;
-    std::vector<impl::request_of_t<Comm>> shares_;  // gradient broadcasts and all-gathers in flight
-    std::vector<std::vector<impl::request_of_t<Comm>>> units_in_flight_;  // per layer: its units' broadcasts
     typename Comm::group_type sums_group_{};  // a duplicate of the communicator, for the sums in flight
   };
 };

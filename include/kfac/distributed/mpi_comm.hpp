@@ -267,7 +267,7 @@ class MpiComm {
   /// a reduce to rank 0 and then a broadcast from it (the bits of sum()): its broadcast is
   /// started by the first test() or wait() that finds the reduce complete, so sums started on
   /// one group must be advanced in the order they were started (every rank starts the
-  /// broadcasts in the same order: kfac::Kaisa does).
+  /// broadcasts in the same order: impl::InFlight enforces it).
   /// How a sum's values travel (MpiComm::sum_type).
   struct SumType {
     std::size_t size = 1;
