@@ -44,49 +44,49 @@ inline std::size_t payload_size(CommPrecision payload, std::size_t scalar_size) 
   return payload_is_native(payload, scalar_size) ? scalar_size : payload == CommPrecision::float32 ? 4 : 2;
 }
 
+/// Value i of `data` (double when `wide`, else float) as a payload value into `out[i]`: a
+/// float (`to_float`: the float32 payload of double data) or bfloat16 bits. The one
+/// definition of the conversion, for the kernels and the host loops alike.
+KOKKOS_INLINE_FUNCTION void pack_value(const void* data, bool wide, bool to_float, void* out, std::size_t i) {
+  const float v = wide ? float(static_cast<const double*>(data)[i]) : static_cast<const float*>(data)[i];
+  if (to_float) static_cast<float*>(out)[i] = v;
+  else static_cast<std::uint16_t*>(out)[i] = to_bf16(v);
+}
+/// The reverse of pack_value: payload value `in[i]` (a float when `from_float`, else bfloat16
+/// bits) into `data[i]` (double when `wide`, else float).
+KOKKOS_INLINE_FUNCTION void unpack_value(const void* in, bool wide, bool from_float, void* data, std::size_t i) {
+  const float v = from_float ? static_cast<const float*>(in)[i] : from_bf16(static_cast<const std::uint16_t*>(in)[i]);
+  if (wide) static_cast<double*>(data)[i] = double(v);
+  else static_cast<float*>(data)[i] = v;
+}
+
 /// \brief Converts `count` values of `data` (double or float, `scalar_size` bytes) to the
 /// payload type into `out` (float for float32, bfloat16 bits for bfloat16), by a kernel on
-/// `exec`; both pointers in Exec's memory. The same bits as the host loops of MpiComm::sum.
+/// `exec`; both pointers in Exec's memory.
 template <class Exec>
 void pack_payload(const Exec& exec, const void* data, std::size_t count, std::size_t scalar_size,
                   CommPrecision payload, void* out) {
-  using Range = Kokkos::RangePolicy<Exec>;
-  const auto* d = static_cast<const double*>(data);
-  const auto* f = static_cast<const float*>(data);
-  if (payload == CommPrecision::float32) {
-    auto* o = static_cast<float*>(out);
-    Kokkos::parallel_for("kfac::payload::to_float", Range(exec, 0, count),
-                         KOKKOS_LAMBDA(std::size_t i) { o[i] = float(d[i]); });
-  } else {
-    auto* o = static_cast<std::uint16_t*>(out);
-    const bool wide = scalar_size == 8;
-    Kokkos::parallel_for("kfac::payload::to_bf16", Range(exec, 0, count),
-                         KOKKOS_LAMBDA(std::size_t i) { o[i] = to_bf16(wide ? float(d[i]) : f[i]); });
-  }
+  const bool wide = scalar_size == 8, to_float = payload == CommPrecision::float32;
+  Kokkos::parallel_for("kfac::payload::pack", Kokkos::RangePolicy<Exec>(exec, 0, count),
+                       KOKKOS_LAMBDA(std::size_t i) { pack_value(data, wide, to_float, out, i); });
 }
-
 /// The reverse of pack_payload: the summed payload `in` back into `data`'s type.
 template <class Exec>
 void unpack_payload(const Exec& exec, const void* in, std::size_t count, std::size_t scalar_size,
                     CommPrecision payload, void* data) {
-  using Range = Kokkos::RangePolicy<Exec>;
-  auto* d = static_cast<double*>(data);
-  auto* f = static_cast<float*>(data);
-  if (payload == CommPrecision::float32) {
-    const auto* p = static_cast<const float*>(in);
-    Kokkos::parallel_for("kfac::payload::from_float", Range(exec, 0, count),
-                         KOKKOS_LAMBDA(std::size_t i) { d[i] = double(p[i]); });
-  } else {
-    const auto* p = static_cast<const std::uint16_t*>(in);
-    const bool wide = scalar_size == 8;
-    Kokkos::parallel_for(
-        "kfac::payload::from_bf16", Range(exec, 0, count), KOKKOS_LAMBDA(std::size_t i) {
-          if (wide)
-            d[i] = double(from_bf16(p[i]));
-          else
-            f[i] = from_bf16(p[i]);
-        });
-  }
+  const bool wide = scalar_size == 8, from_float = payload == CommPrecision::float32;
+  Kokkos::parallel_for("kfac::payload::unpack", Kokkos::RangePolicy<Exec>(exec, 0, count),
+                       KOKKOS_LAMBDA(std::size_t i) { unpack_value(in, wide, from_float, data, i); });
+}
+/// pack_payload on the calling thread, for host memory outside Kokkos (MpiComm::sum).
+inline void pack_payload_host(const void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload,
+                              void* out) {
+  for (std::size_t i = 0; i < count; ++i) pack_value(data, scalar_size == 8, payload == CommPrecision::float32, out, i);
+}
+/// unpack_payload on the calling thread, for host memory outside Kokkos (MpiComm::sum).
+inline void unpack_payload_host(const void* in, std::size_t count, std::size_t scalar_size, CommPrecision payload,
+                                void* data) {
+  for (std::size_t i = 0; i < count; ++i) unpack_value(in, scalar_size == 8, payload == CommPrecision::float32, data, i);
 }
 
 }  // namespace impl

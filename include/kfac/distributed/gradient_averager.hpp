@@ -20,7 +20,7 @@ namespace kfac {
 /// Register the views once with add(); call average() after every backward pass. Views must be
 /// contiguous, of float or double, in memory that `Exec` can access. Buckets are packed and
 /// unpacked by kernels on `Exec` into a staging view in its memory space; a communicator that
-/// cannot read that memory (MpiComm without `cuda_aware`) gets a host copy of the packed bucket.
+/// cannot read that memory (MpiComm without `device_aware`) gets a host copy of the packed bucket.
 /// \tparam Comm SerialComm or MpiComm.
 /// \tparam Exec the execution space whose memory holds the gradients (the host's by default;
 ///         `Kokkos::DefaultExecutionSpace` for device views).

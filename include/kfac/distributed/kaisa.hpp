@@ -84,7 +84,7 @@ struct Kaisa {
       }
       overlap_ = false;
       if constexpr (impl::has_nonblocking<Comm>::value)
-        overlap_ = o.overlap_communication && comm_.size() > 1 && (impl::host_accessible_v<Exec> || comm_.cuda_aware());
+        overlap_ = o.overlap_communication && comm_.size() > 1 && (impl::host_accessible_v<Exec> || comm_.device_aware());
     }
     /// Options::overlap_communication applies to gradient broadcasts and all-gathers (set by plan()).
     bool overlaps() const { return overlap_; }

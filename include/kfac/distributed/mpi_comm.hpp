@@ -6,7 +6,7 @@
 /// matches the user's). Sums are computed as MPI_Reduce to rank 0 followed by MPI_Bcast, so every
 /// rank receives the same bits (an allreduce may round differently on different ranks).
 /// Buffers are host pointers. Device buffers are summed through impl::sum_payload: a float32 or
-/// bfloat16 payload is converted by kernels in device memory; with `cuda_aware`, MPI gets the
+/// bfloat16 payload is converted by kernels in device memory; with `device_aware`, MPI gets the
 /// device buffer (native) or the converted device buffer (float32), otherwise a host copy of
 /// it; a bfloat16 payload is always reduced in host memory (its MPI_Op is a host function).
 ///
@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kfac/distributed/comm_precision.hpp"
+#include "kfac/distributed/mpi_request.hpp"
 #include "kfac/distributed/watchdog.hpp"
 #include "kfac/core/hash.hpp"
 #include "kfac/error.hpp"
@@ -53,10 +54,10 @@ class MpiComm {
 
  public:
   /// \param comm [in] the communicator kfac works on (duplicated).
-  /// \param cuda_aware [in] pass device pointers to MPI directly.
+  /// \param device_aware [in] MPI reads and writes device memory (CUDA-aware, ROCm-aware MPI): device pointers go to MPI directly.
   /// Collective over `comm` (duplicates it twice: kfac's traffic and the watchdog's questions).
-  explicit MpiComm(MPI_Comm comm = MPI_COMM_WORLD, bool cuda_aware = false)
-      : state_(std::make_shared<State>(comm)), cuda_aware_(cuda_aware) {}
+  explicit MpiComm(MPI_Comm comm = MPI_COMM_WORLD, bool device_aware = false)
+      : state_(std::make_shared<State>(comm)), device_aware_(device_aware) {}
 
   /// \brief Deadline of every collective, in seconds (0: none). Default 600, or the
   /// environment's `KFAC_COMM_TIMEOUT`. Shared by the copies of this MpiComm; every rank
@@ -97,7 +98,10 @@ class MpiComm {
 
   int rank() const { return state_->rank; }
   int size() const { return state_->size; }
-  bool cuda_aware() const { return cuda_aware_; }
+  /// MPI may be handed device memory (the constructor's `device_aware`).
+  bool device_aware() const { return device_aware_; }
+  /// The name of device_aware() in kfac 0.2.
+  [[deprecated("use device_aware()")]] bool cuda_aware() const { return device_aware_; }
   MPI_Comm comm() const { return state_->comm; }
   /// Payload bytes this rank handed to collectives (sums, broadcasts) so far.
   std::size_t bytes_sent() const { return state_->bytes; }
@@ -148,9 +152,10 @@ class MpiComm {
   }
 
   /// \brief Sum over ranks into every rank's host buffer, bit-identical everywhere (reduce +
-  /// broadcast). A float32 or bfloat16 payload is converted on the host here; buffers in device
+  /// broadcast). A float32 or bfloat16 payload is converted on the host here
+  /// (impl::pack_payload_host: the conversion of the payload kernels); buffers in device
   /// memory go through impl::sum_payload (distributed/payload.hpp), which converts them by
-  /// kernels where they live. With `cuda_aware`, `data` may be device memory for a native payload.
+  /// kernels where they live. With `device_aware`, `data` may be device memory for a native payload.
   /// With `root` >= 0 only that rank receives the sum (one MPI_Reduce; the others' buffers are
   /// left as they were, or rounded to the payload type).
   void sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload, int root = -1) const {
@@ -159,28 +164,15 @@ class MpiComm {
       reduce_bcast(data, count, sum_type(payload, scalar_size), root);
       return;
     }
-    if (payload == CommPrecision::float32) {
-      std::vector<float> tmp(count);
-      auto* d = static_cast<double*>(data);
-      for (std::size_t i = 0; i < count; ++i) tmp[i] = float(d[i]);
-      sum_converted(tmp.data(), count, payload, root);
-      for (std::size_t i = 0; i < count; ++i) d[i] = double(tmp[i]);
-      return;
-    }
-    std::vector<std::uint16_t> tmp(count);
-    for (std::size_t i = 0; i < count; ++i)
-      tmp[i] = impl::to_bf16(scalar_size == 8 ? float(static_cast<double*>(data)[i])
-                                              : static_cast<float*>(data)[i]);
+    std::vector<char> tmp(count * impl::payload_size(payload, scalar_size));
+    impl::pack_payload_host(data, count, scalar_size, payload, tmp.data());
     sum_converted(tmp.data(), count, payload, root);
-    for (std::size_t i = 0; i < count; ++i) {
-      if (scalar_size == 8) static_cast<double*>(data)[i] = double(impl::from_bf16(tmp[i]));
-      else static_cast<float*>(data)[i] = impl::from_bf16(tmp[i]);
-    }
+    impl::unpack_payload_host(tmp.data(), count, scalar_size, payload, data);
   }
   /// \brief Sum over ranks of a payload already converted (float32: `count` floats; bfloat16:
   /// `count` bfloat16 bit patterns, summed pairwise in float), in place, bit-identical everywhere.
   /// bfloat16 payloads must be in host memory (the reduction is a host MPI_Op); a float32 one
-  /// may be device memory when the communicator is `cuda_aware`.
+  /// may be device memory when the communicator is `device_aware`.
   void sum_converted(void* payload_data, std::size_t count, CommPrecision payload, int root = -1) const {
     if (payload == CommPrecision::native) throw Error("", "MpiComm::sum_converted: a native payload needs sum()");
     if (count == 0 || size() == 1) return;
@@ -225,7 +217,7 @@ class MpiComm {
   Group duplicate(const Group& group) const { return Group(dup(group.comm())); }
   /// \brief From a background thread (needs thread_multiple()): broadcasts raw bytes from group
   /// rank `root_index` within `group`, in pieces of at most `max_message` bytes, each an
-  /// MPI_Ibcast completed by MPI_Test with sleeps from 20 us doubling up to 1 ms (a blocking
+  /// MPI_Ibcast polled by impl::poll_requests with sleeps from 20 us doubling up to 1 ms (a blocking
   /// broadcast would keep a core busy while it waits for the root), each within `timeout`
   /// seconds (0: none; then a kfac::Error). Touches no counter; returns {bytes this rank sent as
   /// the root, MPI calls}, for count_sent() on the calling thread.
@@ -242,17 +234,12 @@ class MpiComm {
       MPI_Request r;
       check(MPI_Ibcast(p + off, int(std::min(max_message, bytes - off)), MPI_BYTE, root_index, group.comm(), &r),
             "MPI_Ibcast");
-      const auto start = std::chrono::steady_clock::now();
-      for (int done = 0, pause = 20;; pause = std::min(2 * pause, 1000)) {
-        check(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test");
-        if (done) break;
-        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (timeout > 0 && waited > timeout)
-          throw Error("", "MpiComm: a background broadcast of a decomposition (MPI_Ibcast from group rank " +
-                              std::to_string(root_index) + ") did not complete within " + std::to_string(timeout) +
-                              " s; kfac's collectives cannot be used any more: end the job, e.g. with MPI_Abort");
-        std::this_thread::sleep_for(std::chrono::microseconds(pause));
-      }
+      // No busy polling: this thread runs beside the step's computation.
+      const double late = impl::poll_requests(&r, 1, "MPI_Ibcast", timeout, impl::PollPace{0.0, 1000, 1}, [] {});
+      if (late >= 0)
+        throw Error("", "MpiComm: a background broadcast of a decomposition (MPI_Ibcast from group rank " +
+                            std::to_string(root_index) + ") did not complete within " + std::to_string(timeout) +
+                            " s; kfac's collectives cannot be used any more: end the job, e.g. with MPI_Abort");
     }
     return {grank == root_index ? bytes : 0, calls};
   }
@@ -261,95 +248,10 @@ class MpiComm {
     state_->bytes += sent.first;
     state_->messages += sent.second;
   }
-  /// \brief Nonblocking collectives started by start_broadcast(), start_all_gather() and
-  /// start_sum(): their MPI requests (move-only). test() advances them, wait() completes them;
-  /// the buffers they were started on must stay untouched until then. A sum to every rank is
-  /// a reduce to rank 0 and then a broadcast from it (the bits of sum()): its broadcast is
-  /// started by the first test() or wait() that finds the reduce complete, so sums started on
-  /// one group must be advanced in the order they were started (every rank starts the
-  /// broadcasts in the same order: impl::InFlight enforces it).
-  /// How a sum's values travel (MpiComm::sum_type).
-  struct SumType {
-    std::size_t size = 1;
-    MPI_Datatype type = MPI_BYTE;
-    MPI_Op op = MPI_SUM;
-  };
-  class Request {
-   public:
-    Request() = default;
-    Request(Request&& o) noexcept { take(o); }
-    Request& operator=(Request&& o) noexcept {
-      if (this != &o) take(o);
-      return *this;
-    }
-    Request(const Request&) = delete;
-    Request& operator=(const Request&) = delete;
-    /// Completes the request at once if it is not yet complete (MPI_Waitall): a request must
-    /// never be left behind, or the next collective on its group would not match.
-    ~Request() {
-      if (requests_.empty() && !pending_bcast_) return;
-      try {
-        wait();
-      } catch (...) {  // timed out while another error unwinds: the communicator is unusable
-      }
-    }
-    /// True when everything is complete; starts a sum's broadcast once its reduce is complete
-    /// (`may_start`: false keeps it back, for the ordering above).
-    bool test(bool may_start = true) {
-      int done = 1;
-      if (!requests_.empty())
-        check(MPI_Testall(int(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
-      if (!done) return false;
-      requests_.clear();
-      if (pending_bcast_ && may_start) start_pending();
-      return requests_.empty() && !pending_bcast_;
-    }
-    /// True while a sum to every rank has not started its broadcast.
-    bool holds_back() const { return pending_bcast_; }
-    void wait() {
-      for (;;) {
-        if (!requests_.empty()) state_->dog.wait(requests_.data(), int(requests_.size()), call_, comm_);
-        requests_.clear();
-        if (!pending_bcast_) return;
-        start_pending();
-      }
-    }
-
-   private:
-    friend class MpiComm;
-    void start_pending() {
-      pending_bcast_ = false;
-      auto* p = static_cast<char*>(data_);
-      for_each_piece(count_, per_, [&](std::size_t first, int n) {
-        requests_.emplace_back();
-        check(MPI_Ibcast(p + first * type_.size, n, type_.type, 0, comm_, &requests_.back()), "MPI_Ibcast");
-      });
-    }
-    void take(Request& o) noexcept {
-      requests_ = std::move(o.requests_);
-      counts_ = std::move(o.counts_);
-      offsets_ = std::move(o.offsets_);
-      pending_bcast_ = o.pending_bcast_;
-      data_ = o.data_;
-      state_ = std::move(o.state_);
-      call_ = o.call_;
-      count_ = o.count_;
-      per_ = o.per_;
-      type_ = o.type_;
-      comm_ = o.comm_;
-      o.requests_.clear();
-      o.pending_bcast_ = false;
-    }
-    std::vector<MPI_Request> requests_;
-    std::vector<int> counts_, offsets_;  ///< MPI_Iallgatherv reads them until it completes
-    bool pending_bcast_ = false;  ///< a sum to every rank: the broadcast is still to start
-    void* data_ = nullptr;
-    std::shared_ptr<State> state_;  ///< its watchdog
-    const char* call_ = "";
-    std::size_t count_ = 0, per_ = 1;
-    SumType type_;
-    MPI_Comm comm_ = MPI_COMM_NULL;
-  };
+  /// Nonblocking collectives started by start_broadcast(), start_all_gather() and start_sum()
+  /// (distributed/mpi_request.hpp).
+  using Request = impl::MpiRequest;
+  using SumType = impl::SumType;
   using request_type = Request;
 
   /// Collective: a duplicate of the whole communicator (for nonblocking sums that must not
@@ -374,12 +276,10 @@ class MpiComm {
         post_broadcast(r, p + off, bytes[std::size_t(k)], k, group.comm());
       return r;
     }
-    r.counts_ = g.counts;
-    r.offsets_ = g.offsets;
+    const auto layout = r.keep_layout(g.counts, g.offsets);
     count_gather(bytes, g);
-    r.requests_.emplace_back();
-    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, r.counts_.data(), r.offsets_.data(), MPI_BYTE,
-                          group.comm(), &r.requests_.back()),
+    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, layout.first, layout.second, MPI_BYTE,
+                          group.comm(), r.add()),
           "MPI_Iallgatherv");
     return r;
   }
@@ -396,22 +296,14 @@ class MpiComm {
     const int to = everyone ? 0 : root;
     const std::size_t per = count_sum(count, t, everyone);
     auto* p = static_cast<char*>(data);
-    for_each_piece(count, per, [&](std::size_t first, int n) {
+    impl::for_each_piece(count, per, [&](std::size_t first, int n) {
       void* at = p + first * t.size;
-      r.requests_.emplace_back();
       if (rank() == to)
-        check(MPI_Ireduce(MPI_IN_PLACE, at, n, t.type, t.op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
+        check(MPI_Ireduce(MPI_IN_PLACE, at, n, t.type, t.op, to, group.comm(), r.add()), "MPI_Ireduce");
       else
-        check(MPI_Ireduce(at, nullptr, n, t.type, t.op, to, group.comm(), &r.requests_.back()), "MPI_Ireduce");
+        check(MPI_Ireduce(at, nullptr, n, t.type, t.op, to, group.comm(), r.add()), "MPI_Ireduce");
     });
-    if (everyone) {
-      r.pending_bcast_ = true;
-      r.data_ = data;
-      r.count_ = count;
-      r.per_ = per;
-      r.type_ = t;
-      r.comm_ = group.comm();
-    }
+    if (everyone) r.broadcast_after(data, count, per, t);
     return r;
   }
 
@@ -456,15 +348,15 @@ class MpiComm {
       comm = idup(user, dog, "MPI_Comm_idup (MpiComm's constructor)");
       dog.comm = comm;
       dog.watch = idup(user, dog, "MPI_Comm_idup (MpiComm's constructor)");  // answers once complete
-      MPI_Request r[1];
+      MPI_Request r;
       MPI_Comm_rank(comm, &rank);
       MPI_Comm_size(comm, &size);
       MPI_Op_create(&impl::bf16_sum, 1, &bf16_op);
       int provided = MPI_THREAD_SINGLE;
       MPI_Query_thread(&provided);
       int all = provided == MPI_THREAD_MULTIPLE ? 1 : 0;
-      check(MPI_Iallreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm, &r[0]), "MPI_Iallreduce");
-      dog.wait(&r[0], 1, "MPI_Allreduce (MpiComm's constructor)", comm);
+      check(MPI_Iallreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm, &r), "MPI_Iallreduce");
+      dog.wait(&r, 1, "MPI_Allreduce (MpiComm's constructor)", comm);
       multiple = all == 1;
     }
     ~State() {
@@ -512,9 +404,7 @@ class MpiComm {
     state_->bytes += bytes[std::size_t(g.rank)];
     ++state_->messages;
   }
-  static void check(int rc, const char* what) {
-    if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
-  }
+  static void check(int rc, const char* what) { impl::check_mpi(rc, what); }
   /// MPI_Allreduce as MPI_Iallreduce under the watchdog.
   void allreduce(const void* in, void* out, int n, MPI_Datatype type, MPI_Op op) const {
     state_->dog.check_usable();
@@ -553,18 +443,14 @@ class MpiComm {
   Request request(const char* call, MPI_Comm c) const {
     state_->dog.check_usable();
     ++state_->started;
-    Request r;
-    r.state_ = state_;
-    r.call_ = call;
-    r.comm_ = c;
-    return r;
+    return Request(std::shared_ptr<impl::Watchdog>(state_, &state_->dog), call, c);
   }
   void bcast(void* data, std::size_t bytes, int root_index, MPI_Comm c) const {
     state_->dog.check_usable();
     auto* p = static_cast<char*>(data);
     const std::size_t per = count_broadcast(bytes, root_index, c);
     if (per == 0) return;
-    for_each_piece(bytes, per, [&](std::size_t off, int n) {
+    impl::for_each_piece(bytes, per, [&](std::size_t off, int n) {
       MPI_Request r;
       check(MPI_Ibcast(p + off, n, MPI_BYTE, root_index, c, &r), "MPI_Ibcast");
       state_->dog.wait(&r, 1, "MPI_Bcast", c);
@@ -575,9 +461,8 @@ class MpiComm {
     auto* p = static_cast<char*>(data);
     const std::size_t per = count_broadcast(bytes, root_index, c);
     if (per == 0) return;
-    for_each_piece(bytes, per, [&](std::size_t off, int n) {
-      r.requests_.emplace_back();
-      check(MPI_Ibcast(p + off, n, MPI_BYTE, root_index, c, &r.requests_.back()), "MPI_Ibcast");
+    impl::for_each_piece(bytes, per, [&](std::size_t off, int n) {
+      check(MPI_Ibcast(p + off, n, MPI_BYTE, root_index, c, r.add()), "MPI_Ibcast");
     });
   }
   /// Reduce to rank 0 and broadcast (`root` < 0), or only reduce to `root`, in pieces of at
@@ -587,7 +472,7 @@ class MpiComm {
     const int to = everyone ? 0 : root;
     auto* p = static_cast<char*>(data);
     state_->dog.check_usable();
-    for_each_piece(count, count_sum(count, t, everyone), [&](std::size_t first, int n) {
+    impl::for_each_piece(count, count_sum(count, t, everyone), [&](std::size_t first, int n) {
       void* at = p + first * t.size;
       MPI_Request r;
       if (rank() == to)
@@ -599,11 +484,6 @@ class MpiComm {
       check(MPI_Ibcast(at, n, t.type, 0, state_->comm, &r), "MPI_Ibcast");
       state_->dog.wait(&r, 1, "MPI_Bcast (sum)", state_->comm);
     });
-  }
-  /// Calls f(first, n) for the pieces of `count` values, `per` at a time.
-  template <class F>
-  static void for_each_piece(std::size_t count, std::size_t per, F&& f) {
-    for (std::size_t first = 0; first < count; first += per) f(first, int(std::min(per, count - first)));
   }
   /// How a sum's values travel: native (the factor's own type), float32 or bfloat16 (bits,
   /// summed by the bf16 MPI_Op).
@@ -634,7 +514,7 @@ class MpiComm {
   }
 
   std::shared_ptr<State> state_;
-  bool cuda_aware_ = false;
+  bool device_aware_ = false;
 };
 
 }  // namespace kfac

@@ -25,7 +25,7 @@ class SerialComm {
   std::string broadcast_string(const std::string& s, int) const { return s; }
   /// True when every rank passed the same string (registration consistency check).
   bool all_equal(const std::string&) const { return true; }
-  bool cuda_aware() const { return true; }
+  bool device_aware() const { return true; }
   void sum(void*, std::size_t, std::size_t, CommPrecision, int = -1) const {}
   /// A sub-communicator of one process.
   struct Group {};

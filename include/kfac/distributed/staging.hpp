@@ -18,7 +18,7 @@ namespace impl {
 /// or the communicator is CUDA-aware, otherwise a host copy that is written back afterwards.
 template <class Exec, class Comm, class F>
 void on_host(const Comm& comm, void* data, std::size_t bytes, F&& f, bool force_host = false) {
-  if (host_accessible_v<Exec> || (comm.cuda_aware() && !force_host)) {
+  if (host_accessible_v<Exec> || (comm.device_aware() && !force_host)) {
     f(data);
     return;
   }

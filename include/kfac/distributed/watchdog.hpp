@@ -50,6 +50,44 @@ inline double default_comm_timeout() {
   return v;
 }
 
+/// Throws a kfac::Error when an MPI call did not return MPI_SUCCESS.
+inline void check_mpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
+}
+
+/// How a wait polls: it looks at the clock every `every` polls; after `busy` seconds (polling
+/// without pause, as MPI's blocking calls do) it sleeps there, from 20 us doubling up to
+/// `max_pause_us`, so that a long wait leaves the core to others.
+struct PollPace {
+  double busy = 0.010;
+  int max_pause_us = 500;
+  long every = 64;
+};
+
+/// \brief The one polling loop of kfac's MPI waits: tests the `n` requests of `call` until they
+/// complete (returns a negative number) or `timeout` seconds (> 0; 0: no deadline) have passed
+/// (returns the seconds waited); `between()` runs whenever it looks at the clock (the watchdog
+/// answers its peers' questions there).
+template <class Between>
+double poll_requests(MPI_Request* r, int n, const char* call, double timeout, PollPace pace, Between&& between) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  int pause_us = 0;
+  for (long it = 0;; ++it) {
+    int done = 0;
+    check_mpi(MPI_Testall(n, r, &done, MPI_STATUSES_IGNORE), call);
+    if (done) return -1.0;
+    if ((it + 1) % pace.every != 0) continue;
+    between();
+    const double waited = std::chrono::duration<double>(clock::now() - start).count();
+    if (timeout > 0 && waited > timeout) return waited;
+    if (waited > pace.busy) {
+      pause_us = std::min(std::max(2 * pause_us, 20), pace.max_pause_us);
+      std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+    }
+  }
+}
+
 /// \brief The deadline and the answers to late peers' questions of one MpiComm (shared by its
 /// copies). Used by the calling thread only.
 class Watchdog {
@@ -71,27 +109,12 @@ class Watchdog {
     if (n == 0) return;
     if (on == comm) ++seq_;
     if (!(timeout > 0)) {
-      check(MPI_Waitall(n, r, MPI_STATUSES_IGNORE), call);
+      check_mpi(MPI_Waitall(n, r, MPI_STATUSES_IGNORE), call);
       return;
     }
     Waiting here(*this, call);
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
-    const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout));
-    int pause_us = 0;
-    for (long it = 0;; ++it) {
-      int done = 0;
-      check(MPI_Testall(n, r, &done, MPI_STATUSES_IGNORE), call);
-      if (done) return;
-      if (it % 64 != 63) continue;  // poll as MPI's blocking calls do; look at the clock now and then
-      answer_questions();
-      const auto now = clock::now();
-      if (now > deadline) time_out(call, on, std::chrono::duration<double>(now - start).count());
-      if (now - start > std::chrono::milliseconds(10)) {  // a long wait: leave the core to others
-        pause_us = std::min(std::max(2 * pause_us, 20), 500);  // at most 5% of the wait so far
-        std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
-      }
-    }
+    const double late = poll_requests(r, n, call, timeout, PollPace{}, [this] { answer_questions(); });
+    if (late >= 0) time_out(on, late);
   }
 
   /// Answers the questions of peers that timed out (from inside a wait).
@@ -139,9 +162,6 @@ class Watchdog {
   std::string broken_;
   std::list<Answer> sent_;
 
-  static void check(int rc, const char* what) {
-    if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
-  }
   std::string describe() const {
     return std::string(call_ ? call_ : "?") + (context.empty() ? "" : " (" + context + ")");
   }
@@ -152,7 +172,7 @@ class Watchdog {
     return r;
   }
 
-  [[noreturn]] void time_out(const char* call, MPI_Comm on, double waited) {
+  [[noreturn]] void time_out(MPI_Comm on, double waited) {
     int me = 0;
     MPI_Comm_rank(comm != MPI_COMM_NULL ? comm : MPI_COMM_WORLD, &me);
     char secs[64];
@@ -161,7 +181,6 @@ class Watchdog {
               ": " + ask_peers(on, me) +
               "; kfac's collectives on this communicator cannot be used any more (an MPI collective cannot be "
               "cancelled): end the job, e.g. with MPI_Abort";
-    (void)call;
     throw Error("", broken_);
   }
 
