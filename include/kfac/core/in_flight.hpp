@@ -184,6 +184,13 @@ struct request_of<C, true> { using type = typename C::request_type; };
 template <class C>
 using request_of_t = typename request_of<C>::type;
 
+/// Completes every request of `rs`, in order, and empties it (a Pipeline step's transfers).
+template <class Request>
+void complete_all(std::vector<Request>& rs) {
+  for (auto& r : rs) r.wait();
+  rs.clear();
+}
+
 /// What a started collective is, and so which completion waits for it.
 enum class Started {
   sum,       ///< a bucket of factor sums (completed together, then written back)

@@ -123,13 +123,12 @@ class MpiComm {
   /// Element-wise max over ranks of `n` values, in place (one collective).
   void allreduce_max(long* v, int n) const { allreduce(MPI_IN_PLACE, v, n, MPI_LONG, MPI_MAX); }
   /// `s` of rank `root`, on every rank (two broadcasts: length, bytes).
-  std::string broadcast_string(const std::string& s, int root) const {
-    std::uint64_t n = s.size();
-    bcast(&n, sizeof(n), root, state_->comm);
-    std::string r = rank() == root ? s : std::string(std::size_t(n), '\0');
-    if (n > 0) bcast(&r[0], std::size_t(n), root, state_->comm);
-    return r;
-  }
+  std::string broadcast_string(const std::string& s, int root) const { return bcast_string(s, root, state_->comm); }
+  class Group;
+  /// allreduce_max() within `group`.
+  void allreduce_max(long* v, int n, const Group& group) const;
+  /// broadcast_string() within `group`, from its member `root`.
+  std::string broadcast_string(const std::string& s, int root, const Group& group) const;
   /// \brief Largest message handed to one MPI call; larger sums and broadcasts go in pieces,
   /// so buffers of 2 GiB and more (whose counts overflow MPI's int) work. Default 1 GiB.
   MpiComm& with_max_message_bytes(std::size_t bytes) {
@@ -254,6 +253,36 @@ class MpiComm {
   using SumType = impl::SumType;
   using request_type = Request;
 
+  /// \brief Started point-to-point transfers within `group` (MPI_Isend / MPI_Irecv of raw bytes,
+  /// in pieces of at most max_message_bytes, which MPI delivers in order), completed by their
+  /// Request; bytes_sent() and messages() count the sends.
+  Request start_send(const void* data, std::size_t bytes, int to, int tag, const Group& group) const {
+    Request r = request("MPI_Isend", group.comm());
+    const auto* p = static_cast<const char*>(data);
+    const std::size_t per = state_->max_message;
+    state_->bytes += bytes;
+    state_->messages += (bytes + per - 1) / per;
+    impl::for_each_piece(bytes, per, [&](std::size_t off, int n) {
+      check(MPI_Isend(p + off, n, MPI_BYTE, to, tag, group.comm(), r.add()), "MPI_Isend");
+    });
+    return r;
+  }
+  Request start_recv(void* data, std::size_t bytes, int from, int tag, const Group& group) const {
+    Request r = request("MPI_Irecv", group.comm());
+    auto* p = static_cast<char*>(data);
+    impl::for_each_piece(bytes, state_->max_message, [&](std::size_t off, int n) {
+      check(MPI_Irecv(p + off, n, MPI_BYTE, from, tag, group.comm(), r.add()), "MPI_Irecv");
+    });
+    return r;
+  }
+  /// Started element-wise max of `n` values of `in` into `out` within `group` (MPI_Iallreduce).
+  Request start_max(const long* in, long* out, int n, const Group& group) const {
+    Request r = request("MPI_Iallreduce (max)", group.comm());
+    check(MPI_Iallreduce(in, out, n, MPI_LONG, MPI_MAX, group.comm(), r.add()), "MPI_Iallreduce");
+    return r;
+  }
+
+
   /// Collective: a duplicate of the whole communicator (for nonblocking sums that must not
   /// interleave with the blocking collectives made meanwhile).
   Group duplicate() const { return Group(dup(state_->comm)); }
@@ -267,7 +296,7 @@ class MpiComm {
   /// pieces, beyond max_message_bytes): the same bytes and message counts.
   Request start_all_gather(void* data, const std::vector<std::size_t>& bytes, const Group& group) const {
     Request r = request("MPI_Iallgatherv", group.comm());
-    const GatherPlan g = plan_gather(bytes, group);
+    const GatherPlan g = plan_gather(bytes, group.comm());
     auto* p = static_cast<char*>(data);
     if (g.members == 1) return r;
     if (g.in_pieces) {
@@ -315,30 +344,34 @@ class MpiComm {
   void broadcast(void* data, std::size_t bytes, int root) const {
     bcast(data, bytes, root, state_->comm);
   }
+  /// all_gather() over the whole communicator.
+  void all_gather(void* data, const std::vector<std::size_t>& bytes) const { gather(data, bytes, state_->comm); }
   /// \brief In place, within `group`: member k (in group rank order) holds `bytes[k]` bytes
   /// at offset bytes[0] + ... + bytes[k - 1] of `data`, and every member ends with all of them
   /// (one MPI_Allgatherv; one broadcast per member, in pieces, when the whole exceeds
   /// max_message_bytes). bytes_sent() counts this rank's own part.
   void all_gather(void* data, const std::vector<std::size_t>& bytes, const Group& group) const {
+    gather(data, bytes, group.comm());
+  }
+
+ private:
+  void gather(void* data, const std::vector<std::size_t>& bytes, MPI_Comm c) const {
     state_->dog.check_usable();
-    GatherPlan g = plan_gather(bytes, group);
+    GatherPlan g = plan_gather(bytes, c);
     auto* p = static_cast<char*>(data);
     if (g.members == 1) return;
     if (g.in_pieces) {
       std::size_t off = 0;
-      for (int k = 0; k < g.members; off += bytes[std::size_t(k)], ++k) bcast(p + off, bytes[std::size_t(k)], k, group.comm());
+      for (int k = 0; k < g.members; off += bytes[std::size_t(k)], ++k) bcast(p + off, bytes[std::size_t(k)], k, c);
       return;
     }
     count_gather(bytes, g);
     MPI_Request r;
-    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, g.counts.data(), g.offsets.data(), MPI_BYTE,
-                          group.comm(), &r),
+    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, p, g.counts.data(), g.offsets.data(), MPI_BYTE, c, &r),
           "MPI_Iallgatherv");
-    state_->dog.wait(&r, 1, "MPI_Allgatherv", group.comm());
+    state_->dog.wait(&r, 1, "MPI_Allgatherv", c);
   }
 
-
- private:
   struct State {
     explicit State(MPI_Comm user) {
       int init = 0;
@@ -382,14 +415,14 @@ class MpiComm {
     bool in_pieces = false;  ///< one broadcast per member, in pieces (beyond max_message_bytes)
     std::vector<int> counts, offsets;
   };
-  GatherPlan plan_gather(const std::vector<std::size_t>& bytes, const Group& group) const {
+  GatherPlan plan_gather(const std::vector<std::size_t>& bytes, MPI_Comm c) const {
     GatherPlan g;
-    MPI_Comm_size(group.comm(), &g.members);
+    MPI_Comm_size(c, &g.members);
     if (g.members == 1) return g;
     if (bytes.size() != std::size_t(g.members))
       throw Error("", "MpiComm::all_gather: expected " + std::to_string(g.members) + " counts, one per group member, got " +
                           std::to_string(bytes.size()));
-    MPI_Comm_rank(group.comm(), &g.rank);
+    MPI_Comm_rank(c, &g.rank);
     std::size_t total = 0;
     for (std::size_t b : bytes) total += b;
     g.in_pieces = total > state_->max_message;
@@ -405,12 +438,23 @@ class MpiComm {
     ++state_->messages;
   }
   static void check(int rc, const char* what) { impl::check_mpi(rc, what); }
-  /// MPI_Allreduce as MPI_Iallreduce under the watchdog.
-  void allreduce(const void* in, void* out, int n, MPI_Datatype type, MPI_Op op) const {
+  /// MPI_Allreduce as MPI_Iallreduce under the watchdog (on kfac's communicator, or `c`).
+  void allreduce(const void* in, void* out, int n, MPI_Datatype type, MPI_Op op, MPI_Comm c = MPI_COMM_NULL) const {
     state_->dog.check_usable();
+    if (c == MPI_COMM_NULL) c = state_->comm;
     MPI_Request r;
-    check(MPI_Iallreduce(in, out, n, type, op, state_->comm, &r), "MPI_Iallreduce");
-    state_->dog.wait(&r, 1, "MPI_Allreduce", state_->comm);
+    check(MPI_Iallreduce(in, out, n, type, op, c, &r), "MPI_Iallreduce");
+    state_->dog.wait(&r, 1, "MPI_Allreduce", c);
+  }
+  /// `s` of member `root` of `c` on every member (two broadcasts: length, bytes).
+  std::string bcast_string(const std::string& s, int root, MPI_Comm c) const {
+    std::uint64_t n = s.size();
+    bcast(&n, sizeof(n), root, c);
+    int me = 0;
+    MPI_Comm_rank(c, &me);
+    std::string r = me == root ? s : std::string(std::size_t(n), '\0');
+    if (n > 0) bcast(&r[0], std::size_t(n), root, c);
+    return r;
   }
   /// Every rank has arrived (MPI_Ibarrier under the watchdog), before a call MPI has only in
   /// blocking form.
@@ -516,5 +560,12 @@ class MpiComm {
   std::shared_ptr<State> state_;
   bool device_aware_ = false;
 };
+
+inline void MpiComm::allreduce_max(long* v, int n, const Group& group) const {
+  allreduce(MPI_IN_PLACE, v, n, MPI_LONG, MPI_MAX, group.comm());
+}
+inline std::string MpiComm::broadcast_string(const std::string& s, int root, const Group& group) const {
+  return bcast_string(s, root, group.comm());
+}
 
 }  // namespace kfac

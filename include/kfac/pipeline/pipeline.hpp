@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/core/in_flight.hpp"
 #include "kfac/distributed/mpi_comm.hpp"
 #include "kfac/error.hpp"
 #include "kfac/pipeline/schedule.hpp"
@@ -106,11 +107,10 @@ class Pipeline {
                                   double(options.batch_size), double(int(options.schedule)),
                                   double(int(options.update_order))};
     std::vector<double> all(std::size_t(kFields) * size);
+    std::copy(mine, mine + kFields, all.begin() + std::ptrdiff_t(kFields) * rank);
     {
       [[maybe_unused]] const auto scope = comm_.scope("Pipeline's constructor");
-      MPI_Request r;
-      check(MPI_Iallgather(mine, kFields, MPI_DOUBLE, all.data(), kFields, MPI_DOUBLE, comm.comm(), &r), "MPI_Iallgather");
-      comm_.wait(&r, 1, "MPI_Allgather", comm.comm());
+      comm_.all_gather(all.data(), std::vector<std::size_t>(std::size_t(size), sizeof(mine)));
     }
     stages_ = validate(all, kFields, size);
     group_ = comm.split(rank < stages_ ? 0 : 1);
@@ -178,10 +178,6 @@ class Pipeline {
 
   bool fdg() const { return active() && opt_.schedule == PipelineSchedule::fdg; }
 
-  static void check(int rc, const char* what) {
-    if (rc != MPI_SUCCESS) throw Error("", std::string("pipeline: ") + what + " failed with code " + std::to_string(rc));
-  }
-  static MPI_Datatype datatype() { return std::is_same<scalar_type, double>::value ? MPI_DOUBLE : MPI_FLOAT; }
 
   /// Every rank sees every rank's options and widths, so every rank throws the same error.
   static int validate(const std::vector<double>& all, int fields, int size) {
@@ -224,9 +220,7 @@ class Pipeline {
 
   void agree_on_batches(long batches) {
     long v[2] = {batches, -batches};
-    MPI_Request r;
-    check(MPI_Iallreduce(MPI_IN_PLACE, v, 2, MPI_LONG, MPI_MAX, comm(), &r), "MPI_Iallreduce");
-    comm_.wait(&r, 1, "MPI_Allreduce (batch count)", comm());
+    comm_.allreduce_max(v, 2, group_);
     if (v[0] != -v[1] || batches < 0)
       throw Error("", "pipeline: the stages passed different (or negative) batch counts to train(); nothing was run");
   }
@@ -234,27 +228,20 @@ class Pipeline {
   // --- one step's messages -------------------------------------------------------------------
 
   void post_recv(const tensor_type& buf, int from, int tag) {
-    MPI_Request r;
-    check(MPI_Irecv(buf.data(), int(buf.size()), datatype(), from, tag, comm(), &r), "MPI_Irecv");
-    pending_.push_back(r);
+    pending_.push_back(comm_.start_recv(buf.data(), buf.size() * sizeof(scalar_type), from, tag, group_));
   }
   void post_send(const tensor_type& buf, int to, int tag) {
-    MPI_Request r;
-    check(MPI_Isend(buf.data(), int(buf.size()), datatype(), to, tag, comm(), &r), "MPI_Isend");
-    pending_.push_back(r);
+    pending_.push_back(comm_.start_send(buf.data(), buf.size() * sizeof(scalar_type), to, tag, group_));
   }
   void wait_all(PipelineReport& report) {
     const double t0 = MPI_Wtime();
-    comm_.wait(pending_.data(), int(pending_.size()), "the step's transfers and status (MPI_Isend, MPI_Irecv, MPI_Iallreduce)", comm());
-    pending_.clear();
+    impl::complete_all(pending_);
     report.wait_seconds += MPI_Wtime() - t0;
   }
   /// Posts the max over stages of this step's status (non-blocking; read at the next step).
   void post_status() {
     status_out_ = failed_ ? long(stages_ - index_) : 0L;
-    MPI_Request r;
-    check(MPI_Iallreduce(&status_out_, &status_in_, 1, MPI_LONG, MPI_MAX, comm(), &r), "MPI_Iallreduce");
-    pending_.push_back(r);
+    pending_.push_back(comm_.start_max(&status_out_, &status_in_, 1, group_));
     status_posted_ = true;
   }
   /// Completes the previous step and throws on every stage when some stage failed in it.
@@ -263,16 +250,7 @@ class Pipeline {
     if (!status_posted_ || status_in_ == 0) return;
     status_posted_ = false;
     const int root = stages_ - int(status_in_);
-    std::string what = index_ == root ? error_ : std::string();
-    unsigned long long len = what.size();
-    MPI_Request r;
-    check(MPI_Ibcast(&len, 1, MPI_UNSIGNED_LONG_LONG, root, comm(), &r), "MPI_Ibcast");
-    comm_.wait(&r, 1, "MPI_Bcast (a stage's error)", comm());
-    what.resize(std::size_t(len));
-    if (len > 0) {
-      check(MPI_Ibcast(&what[0], int(len), MPI_CHAR, root, comm(), &r), "MPI_Ibcast");
-      comm_.wait(&r, 1, "MPI_Bcast (a stage's error)", comm());
-    }
+    const std::string what = comm_.broadcast_string(index_ == root ? error_ : std::string(), root, group_);
     reset();
     throw Error("", what + " (the pipeline stopped on every stage)");
   }
@@ -442,7 +420,7 @@ class Pipeline {
   tensor_type recv_act_[2], send_act_[2], recv_grad_[2], send_grad_[2];
   std::deque<std::pair<long, tensor_type>> stash_;  ///< inputs of batches in flight, oldest first
   std::vector<tensor_type> pool_;                    ///< stash buffers free for reuse
-  std::vector<MPI_Request> pending_;
+  std::vector<MpiComm::Request> pending_;  ///< this step's transfers and status
   long status_out_ = 0, status_in_ = 0;
   bool status_posted_ = false, failed_ = false;
   std::string error_;
