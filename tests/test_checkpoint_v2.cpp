@@ -45,13 +45,13 @@ void check_bitwise(const Scenario& sc) {
 template <class Net>
 void check_against_replay(const Scenario& sc) {
   using T = typename Net::scalar_type;
-  INFO("scenario " << sc.name);
   {
-    INFO("the file is what the scenario says: version 2, decompositions saved / in flight");
+    INFO("scenario " << sc.name << ": the file is what the scenario says (version 2, decompositions saved, in flight)");
     CHECK(checkpoint_flags(checkpoint_file(sc)) == (sc.with_decompositions ? 1 : 0) + (sc.in_flight ? 2 : 0));
   }
   const auto got = kfac_fixture::check_against_replay<Net>(sc, v2_file<Net>(sc), "commit 334b1ae");
   if (sc.in_flight) {
+    INFO("scenario " << sc.name);
     // The fixture pins the decomposition in flight: the same state restored without it (all
     // decompositions recomputed at once) continues differently.
     typename Net::Pre without(Net::options());
