@@ -52,6 +52,8 @@ namespace kfac {
 /// the baseline the FDG speed-up is measured against).
 enum class PipelineSchedule { fdg, synchronous };
 
+/// \brief Settings of a kfac::Pipeline, built with `with_*` calls (each returns a copy).
+///
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | int | stages | K, the number of stages (ranks 0..K-1 of the communicator); 0: every rank | 0 |
