@@ -12,6 +12,7 @@ packages=(
   clang libclang-rt-14-dev
   dataset-fashion-mnist
   libtorch-dev
+  doxygen
 )
 missing=()
 for p in "${packages[@]}"; do

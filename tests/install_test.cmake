@@ -1,13 +1,17 @@
 # Installs kfac from the build tree into a scratch prefix, then configures, builds and runs the
 # consumer project against that prefix. Variables: BUILD_DIR, SOURCE_DIR, WORK_DIR, WITH_EIGEN
 # (the build installs kfac::eigen: the consumer must find it and run consumer_eigen too),
-# CXX_COMPILER and CXX_FLAGS (kfac's, e.g. nvcc_wrapper and -arch=sm_80 for a CUDA Kokkos).
+# WITH_MPI (kfac was built with MPI), CXX_COMPILER and CXX_FLAGS (kfac's, e.g. nvcc_wrapper and
+# -arch=sm_80 for a CUDA Kokkos).
 #
 # The documentation's programs are built and run as printed: every ```cpp block of README.md's
-# "## Using it" section and of docs/usage.md's first section is copied verbatim into
+# "## Using it" section, of docs/usage.md's first section and of the "## Examples" section of
+# each method page (docs/methods/*.md; a page without one fails the test) is copied verbatim into
 # WORK_DIR/snippets/ and becomes one consumer executable (kfac::eigen for a block that includes
-# the Eigen adapter). The consumer's configure output must not mention Torch or Caffe2: the
-# package config looks for LibTorch only when the torch component is asked for.
+# the Eigen adapter). A page whose programs include an MPI header is left out when WITH_MPI is
+# off; with MPI they run as one process (an MPI singleton). The consumer's configure output must
+# not mention Torch or Caffe2: the package config looks for LibTorch only when the torch
+# component is asked for.
 cmake_minimum_required(VERSION 3.16)  # script mode: policies for if/while
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}/snippets")
@@ -59,6 +63,16 @@ function(extract_cpp_blocks markdown heading prefix)
 endfunction()
 extract_cpp_blocks(README.md "## Using it" readme_using_it)
 extract_cpp_blocks(docs/usage.md "## Registering layers: layer type + method" usage_registering)
+file(GLOB method_pages RELATIVE "${SOURCE_DIR}" "${SOURCE_DIR}/docs/methods/*.md")
+foreach(page IN LISTS method_pages)
+  get_filename_component(stem "${page}" NAME_WE)
+  file(READ "${SOURCE_DIR}/${page}" page_text)
+  if(NOT WITH_MPI AND page_text MATCHES "#include <kfac/(distributed/mpi_comm|pipeline/pipeline)\\.hpp>")
+    message(STATUS "install test: ${page}'s programs need MPI, which this build has not: left out")
+    continue()
+  endif()
+  extract_cpp_blocks(${page} "## Examples" methods_${stem})
+endforeach()
 
 run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
 if(WITH_EIGEN)

@@ -100,6 +100,7 @@ Kokkos::View<typename D::Scalar**, Kokkos::LayoutRight, Kokkos::HostSpace> to_ro
 
 /// \brief Copies a host view back into an Eigen object of the same shape (**a copy**):
 /// rank 2 into a matrix, rank 1 into a vector. Throws kfac::Error on a shape mismatch.
+/// \param v [in] a host-accessible rank-1 or rank-2 view
 /// \param m [out] a matrix, or a writable Map/Block (may be a temporary expression).
 template <class V, class E>
 void copy_back(const V& v, E&& m) {

@@ -42,6 +42,7 @@ using unmanaged_view = Kokkos::View<DataType, Kokkos::LayoutRight, MemorySpace,
 /// \brief Rank-1 view of `n0` values at `data` (a bias gradient, BatchNorm's dgamma/dbeta).
 /// \tparam MemorySpace the space `data` lives in; checked by nothing but the caller.
 /// \param data [in] first value; may be null only when n0 is 0.
+/// \param n0 [in] the number of values.
 template <class MemorySpace = Kokkos::HostSpace, class T>
 unmanaged_view<T*, MemorySpace> from_raw(T* data, std::size_t n0) {
   static_assert(Kokkos::is_memory_space<MemorySpace>::value,

@@ -18,6 +18,8 @@ struct BucketPiece {
 using Bucket = std::vector<BucketPiece>;
 
 /// \brief Cuts items of `counts[i]` values into buckets of at most `limit` values, in order.
+/// \param counts [in] each item's number of values
+/// \param limit [in] the most values of one bucket (0 is taken as 1)
 /// \param split [in] false: items stay whole (a bucket closes before an item that would
 ///        overflow it; an item larger than `limit` travels alone); true: items are cut so that
 ///        every bucket but the last holds exactly `limit` values.

@@ -10,7 +10,7 @@
 /// Contract of a distribution policy (see also kfac::Independent): a tag type with
 /// `distribution_tag` and a nested `State<Exec, Comm>` the Preconditioner builds, with
 /// signature(), check_same(), plan(), holds(), computes(), agree_max(), average(),
-/// share_units() and share_gradients(). The state owns every sub-communicator it makes; the
+/// share_unit() and share_gradient(). The state owns every sub-communicator it makes; the
 /// collectives it starts are returned as requests, which the caller keeps in its
 /// impl::InFlight until they complete (the state keeps no request).
 

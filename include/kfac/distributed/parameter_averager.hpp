@@ -51,6 +51,7 @@ class ParameterAverager {
   using execution_space = Exec;
   using memory_space = typename Exec::memory_space;
 
+  /// \param comm [in] the ranks whose parameters are averaged (a copy of the handle is kept).
   /// \param every [in] maybe_average() averages after every `every` steps (>= 1).
   /// \param bucket_bytes [in] upper bound of one collective's payload (>= 8).
   explicit ParameterAverager(Comm comm, long every = 1, std::size_t bucket_bytes = std::size_t(16) << 20)

@@ -30,6 +30,10 @@ namespace impl {
 constexpr long kOrderedSumChunk = 4096;
 
 /// \brief \f$\sum_{i < cols} \sum_{j < rows} f(j, i)\f$ in double, in the fixed order above.
+/// \param exec [in] the execution space instance the terms are computed on
+/// \param label [in] the kernel's label (`kfac::<area>::<op>`)
+/// \param rows [in] the range of j
+/// \param cols [in] the range of i
 /// \param f [in] `double f(long j, long i)`, callable on Exec (a KOKKOS_LAMBDA)
 template <class Exec, class F>
 double ordered_sum(const Exec& exec, const char* label, long rows, long cols, const F& f) {
@@ -67,6 +71,9 @@ double ordered_sum(const Exec& exec, const char* label, long rows, long cols, co
 }
 
 /// \brief \f$\sum_{i < n} f(i)\f$ in double, in ordered_sum's fixed order.
+/// \param exec [in] the execution space instance the terms are computed on
+/// \param label [in] the kernel's label (`kfac::<area>::<op>`)
+/// \param n [in] the number of terms
 /// \param f [in] `double f(long i)`, callable on Exec
 template <class Exec, class F>
 double ordered_sum(const Exec& exec, const char* label, long n, const F& f) {

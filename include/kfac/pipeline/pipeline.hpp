@@ -53,6 +53,8 @@ namespace kfac {
 /// the baseline the FDG speed-up is measured against).
 enum class PipelineSchedule { fdg, synchronous };
 
+/// \brief Settings of a kfac::Pipeline, built with `with_*` calls (each returns a copy).
+///
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | int | stages | K, the number of stages (ranks 0..K-1 of the communicator); 0: every rank | 0 |
@@ -96,7 +98,9 @@ class Pipeline {
 
   /// \brief Collective over `comm`: checks the options and that every stage's output width is
   /// the next stage's input width; throws the same kfac::Error on every rank otherwise.
+  /// \param comm [in] rank k < K runs stage k (K = `options.stages`, 0: every rank); a sub-communicator of the K ranks is split off
   /// \param stage [in] this rank's stage (kept by reference; ignored on ranks >= K)
+  /// \param options [in] stages, batch size, beta, schedule and update order, the same on every rank (copied)
   Pipeline(const MpiComm& comm, Stage& stage, const PipelineOptions& options)
       : comm_(comm), stage_(&stage), opt_(options) {
     impl::check_stage<Stage>();
@@ -149,6 +153,7 @@ class Pipeline {
   /// \brief One epoch of `batches` batches, drained: on return every batch's gradient has been
   /// applied on every stage (fill and drain take 2(K - 1) extra steps under fdg). Collective
   /// over the K stage ranks; returns at once on the others.
+  /// \param batches [in] the number of batches of the epoch, the same on every stage rank
   /// \param input [in] `tensor_type input(long batch)`: batch `batch`'s input (N, in); called on stage 0 only
   /// \param loss [in] `tensor_type loss(long batch, const tensor_type& output)`: dLoss/d(output)
   ///   for that batch, (N, out); called on the last stage only

@@ -76,6 +76,7 @@ struct ExplicitInverseRows {
 };
 }  // namespace impl
 
+/// \brief Inversion policy: damped explicit inverses of A and G by Cholesky factorization.
 /// \tparam Backend AutoBackend (LAPACK potrf/potri on the host, cuSOLVER potrf/potri on CUDA)
 /// or PortableBackend (team-parallel Cholesky).
 ///

@@ -17,6 +17,7 @@
 
 namespace kfac {
 
+/// \brief Inversion policy: eigendecompositions of A and G, damping applied at preconditioning.
 /// \tparam Backend AutoBackend (LAPACK syevd on the host, cuSOLVER on CUDA) or PortableBackend.
 ///
 /// | type | name | description | default |

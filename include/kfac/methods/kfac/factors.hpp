@@ -1,5 +1,5 @@
 #pragma once
-/// \file factor_policies.hpp
+/// \file factors.hpp
 /// \brief Factor-approximation policies: how a layer's curvature block is stored.
 ///
 /// Contract: a factor policy is a tag with `static constexpr const char* name`, `bool is_diagonal`

@@ -13,6 +13,7 @@
 
 namespace kfac {
 
+/// \brief Inversion policy: damped explicit inverses of A and G by Newton-Schulz iterations.
 ///
 /// | type | name | description | default |
 /// |---|---|---|---|

@@ -283,8 +283,12 @@ class OnlineFisher {
 
   /// \brief One step of the recurrence from the rows of `list` (together), \f$S = \sum_k
   /// X_k^T X_k / \f$ `norm`.
+  /// \param exec [in] the execution space instance the kernels run on
+  /// \param list [in] the matrices \f$X_k\f$, rows of width dim() (row-major)
+  /// \param norm [in] the divisor of \f$\sum_k X_k^T X_k\f$
   /// \param sum_squares [in] \f$\sum_k \|X_k\|_F^2\f$ (so tr S = sum_squares / norm).
   /// \param samples [in] the samples the rows came from (\f$N_s\f$ in \f$\eta\f$).
+  /// \param s [in] the recurrence's constants (Kaldi's defaults in Recurrence)
   void update(const Exec& exec, const std::vector<rows_type>& list, double norm,
               double sum_squares, double samples, const Recurrence& s) {
     if (rank_ == 0) return;
