@@ -727,3 +727,56 @@ TEST_CASE("a deferred decomposition failing on the rank that computes it is an e
   CHECK(pre.step_count() == 2);
   CHECK(identical_on_all_ranks({double(pre.step_count()), double(pre.last_decomposition_step())}));
 }
+
+/// options() without the distribution's settings (those go on the policy object).
+kfac::Options numerics() { return options(1.0).with_bucket_bytes(kfac::Options{}.bucket_bytes); }
+
+TEST_CASE("kfac::Kaisa holds its settings: the same bits and bytes as kfac 0.2's Options fields", "[mpi][distributed][policy]") {
+  const int rank = world_rank(), size = world_size();
+  const double fraction = size == 4 ? 0.5 : 1.0 / size;  // HYBRID at 4 ranks, else MEM-OPT
+  // kfac 0.2's spelling: the distribution's settings on Options.
+  kfac::MpiComm old_comm(MPI_COMM_WORLD), new_comm(MPI_COMM_WORLD);
+  kfac::Preconditioner<double, Host, kfac::MpiComm> old_style(
+      options(fraction).with_reduce_to_owner(true).with_split_preconditioning(true).with_bucket_bytes(256),
+      Host(), old_comm);
+  // The policy object.
+  const auto policy = kfac::Kaisa{}
+                          .with_grad_worker_fraction(fraction)
+                          .with_reduce_to_owner(true)
+                          .with_split_preconditioning(true)
+                          .with_bucket_bytes(256);
+  kfac::Preconditioner<double, Host, kfac::MpiComm> new_style(numerics(), Host(), new_comm, policy);
+  CHECK(new_style.distribution().grad_worker_fraction == fraction);
+  CHECK(new_style.distribution().bucket_bytes == 256);
+  CHECK(old_style.distribution().reduce_to_owner);  // read from Options
+  register_all<kfac::Symmetric>(old_style);
+  register_all<kfac::Symmetric>(new_style);
+  const auto a = run(old_style, rank, size, 5), b = run(new_style, rank, size, 5);
+  REQUIRE(a.size() == b.size());
+  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
+  CHECK(old_comm.bytes_sent() == new_comm.bytes_sent());
+  CHECK(old_comm.messages() == new_comm.messages());
+  if (size > 1) CHECK(new_comm.messages() > 0);
+  // The default policy reads the defaults.
+  CHECK(kfac::Kaisa::set_in(numerics()).empty());
+  CHECK(kfac::Kaisa::set_in(options(1.0)) == std::vector<std::string>{"bucket_bytes"});
+}
+
+TEST_CASE("a distribution setting given on both Options and the policy object is refused by name", "[mpi][distributed][policy][errors]") {
+  kfac::MpiComm comm(MPI_COMM_WORLD);
+  using P = kfac::Preconditioner<double, Host, kfac::MpiComm>;
+  try {
+    P p(numerics().with_reduce_to_owner(true).with_comm_precision(kfac::CommPrecision::float32), Host(), comm,
+        kfac::Kaisa{}.with_reduce_to_owner(true));
+    FAIL("no error");
+  } catch (const kfac::Error& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("reduce_to_owner, comm_precision") != std::string::npos);
+    CHECK(what.find("kfac::kaisa") != std::string::npos);
+  }
+  // Ranks whose policies differ refuse the first step together (the registration signature).
+  P q(numerics(), Host(), comm, kfac::Kaisa{}.with_bucket_bytes(world_rank() == 0 ? 1024 : 2048));
+  register_all<kfac::Symmetric>(q);
+  if (world_size() > 1) CHECK_THROWS_WITH(run(q, world_rank(), world_size(), 1), Catch::Contains("ranks registered different"));
+}

@@ -61,10 +61,21 @@ class Preconditioner {
   using block_type = impl::Block<Scalar, Exec>;
   using layer_base = block_type;  ///< the name of block_type in kfac 0.1
 
+  /// \brief The distribution's settings from `options` (kfac 0.2's spelling: Options::
+  /// with_grad_worker_fraction, with_reduce_to_owner, ...; Distribution::from_options).
   explicit Preconditioner(Options options = Options{}, Exec exec = Exec{}, Comm comm = Comm{})
-      : options_(std::move(options)), exec_(std::move(exec)), dist_(std::move(comm)),
-        client_(impl::next_client_of(dist_.comm())) {
-    StepValues::at(options_, 0);  // reject bad constants at construction
+      : Preconditioner(options, std::move(exec), std::move(comm), Distribution::from_options(options), 0) {}
+  /// \brief With a distribution policy object that holds its settings, e.g.
+  /// `kfac::Kaisa{}.with_grad_worker_fraction(0.5)`. `options` must then leave the
+  /// distribution's fields at their defaults (they would not be read): a kfac::Error names them.
+  Preconditioner(Options options, Exec exec, Comm comm, Distribution policy)
+      : Preconditioner(std::move(options), std::move(exec), std::move(comm), std::move(policy), 0) {
+    const auto both = Distribution::set_in(options_);
+    if (both.empty()) return;
+    std::string names;
+    for (const auto& n : both) names += (names.empty() ? "" : ", ") + n;
+    throw Error("", std::string("Options sets ") + names + ", which belong to the distribution policy (kfac::" +
+                        Distribution::name + "): set them on the policy object passed to the Preconditioner");
   }
 
   /// \brief Registers `layer` under a unique name with a method object, e.g.
@@ -228,6 +239,8 @@ class Preconditioner {
       if (!dist_.holds(l)) { reg_[l].block->release_units(); reg_[l].decomposed = false; }
     registration_checked_ = true;
   }
+  /// \brief The distribution policy in use, with its settings.
+  const Distribution& distribution() const { return policy_; }
   /// \brief The current work assignment (valid after the first step()).
   const WorkAssignment& assignment() const { return dist_.assignment(); }
   /// \brief Steps skipped because some rank saw NaN/Inf (NonFinitePolicy::skip).
@@ -302,6 +315,12 @@ class Preconditioner {
  private:
   using dist_type = typename Distribution::template State<Exec, Comm>;
 
+  Preconditioner(Options options, Exec exec, Comm comm, Distribution policy, int /*delegated*/)
+      : options_(std::move(options)), exec_(std::move(exec)), policy_(std::move(policy)),
+        dist_(policy_, std::move(comm)), client_(impl::next_client_of(dist_.comm())) {
+    StepValues::at(options_, 0);  // reject bad constants at construction
+  }
+
   /// Runs `f`, which may allocate the layer's memory: a failed allocation (Kokkos throws
   /// std::bad_alloc in 3.4, std::runtime_error in 4.x) becomes a kfac::Error naming the layer.
   template <class F>
@@ -353,6 +372,7 @@ class Preconditioner {
   }
   Options options_;
   Exec exec_;
+  Distribution policy_;
   dist_type dist_;
   impl::Registry<Scalar, Exec> reg_;
   impl::in_flight_for<Scalar, Exec, dist_type> in_flight_;  ///< deferred decompositions; collectives during step()

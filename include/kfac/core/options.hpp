@@ -98,7 +98,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | LossReduction | loss_reduction | how the loss was reduced over the batch | mean |
 /// | bool | precompute_reciprocal | store 1/(lambda_G lambda_A^T + damping) at decomposition time | false |
 /// | vector<string> | skip_layers | layer names or kinds ("dense", "conv2d", "batch_norm") left unpreconditioned | {} |
-/// | double | grad_worker_fraction | KAISA gradient-worker fraction f in [1/world, 1] (1 = COMM-OPT) | 1.0 |
+/// | double | grad_worker_fraction | KAISA gradient-worker fraction f in [1/world, 1] (1 = COMM-OPT). This row and the distribution rows below (assignment_cost to split_preconditioning, comm_precision, background_sharing, overlap_communication) are kfac 0.2's spelling of kfac::Kaisa's settings, read only when the Preconditioner is given no policy object | 1.0 |
 /// | AssignmentCost | assignment_cost | what greedy placement balances: compute (n^3) or memory (n^2) | compute |
 /// | bool | colocate_factors | decompose a layer's A and G on the same rank | true |
 /// | GroupLayout | group_layout | which KAISA groups are consecutive ranks | contiguous_receivers |

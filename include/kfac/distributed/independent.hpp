@@ -20,11 +20,15 @@ struct Independent {
   using distribution_tag = void;
   static constexpr const char* name = "independent";
 
+  /// No settings: Options' distribution fields are not read.
+  static Independent from_options(const Options&) { return {}; }
+  static std::vector<std::string> set_in(const Options&) { return {}; }
+
   template <class Exec, class Comm>
   class State {
    public:
     using request_type = impl::request_of_t<Comm>;
-    explicit State(Comm comm) : comm_(std::move(comm)) {}
+    State(const Independent&, Comm comm) : comm_(std::move(comm)) {}
     const Comm& comm() const { return comm_; }
     std::string signature(const Options&) const { return "independent;"; }
     bool check_same(const std::string&) const { return true; }

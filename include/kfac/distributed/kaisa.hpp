@@ -41,342 +41,436 @@ template <class C>
 struct has_thread_multiple<C, std::void_t<decltype(std::declval<const C&>().thread_multiple())>> : std::true_type {};
 }  // namespace impl
 
+namespace impl {
+template <class Exec, class Comm>
+class KaisaState;
+}  // namespace impl
+
+/// \brief The KAISA distribution policy: an object that holds its settings, e.g.
+/// `kfac::Kaisa{}.with_grad_worker_fraction(0.5).with_reduce_to_owner(true)`, passed to the
+/// Preconditioner's constructor (every rank must pass the same settings; checked at the first
+/// step). kfac 0.2 set them on kfac::Options (same names); a Preconditioner built without a
+/// policy object still reads them there (Kaisa::from_options).
+///
+/// | type | name | description | default |
+/// |---|---|---|---|
+/// | double | grad_worker_fraction | gradient-worker fraction f in [1/world, 1]: 1 = COMM-OPT, 1/world = MEM-OPT, between: HYBRID | 1.0 |
+/// | AssignmentCost | assignment_cost | what greedy placement balances: compute (n^3) or memory (n^2) | compute |
+/// | bool | colocate_factors | decompose a layer's A and G on the same rank | true |
+/// | GroupLayout | group_layout | which KAISA groups are consecutive ranks | contiguous_receivers |
+/// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
+/// | bool | reduce_to_owner | sum each decomposed factor only to the rank that decomposes it (halves the factor bytes; save() becomes collective) | false |
+/// | bool | split_preconditioning | divide each layer's preconditioning by rows among its gradient workers, then all-gather the rows | false |
+/// | CommPrecision | comm_precision | payload type of factor averaging | native |
+/// | bool | background_sharing | with Options::decomposition_delay, broadcast a decomposition from the thread that computed it (MPI_THREAD_MULTIPLE, host memory) | true |
+/// | bool | overlap_communication | the step's collectives as nonblocking ones overlapped with its computation (the same bits and bytes) | true |
 struct Kaisa {
   using distribution_tag = void;
   static constexpr const char* name = "kaisa";
 
+  double grad_worker_fraction = 1.0;
+  AssignmentCost assignment_cost = AssignmentCost::compute;
+  bool colocate_factors = true;
+  GroupLayout group_layout = GroupLayout::contiguous_receivers;
+  std::size_t bucket_bytes = std::size_t(16) << 20;
+  bool reduce_to_owner = false;
+  bool split_preconditioning = false;
+  CommPrecision comm_precision = CommPrecision::native;
+  bool background_sharing = true;
+  bool overlap_communication = true;
+
+  Kaisa& with_grad_worker_fraction(double f) { grad_worker_fraction = f; return *this; }
+  Kaisa& with_assignment_cost(AssignmentCost c) { assignment_cost = c; return *this; }
+  Kaisa& with_colocate_factors(bool b) { colocate_factors = b; return *this; }
+  Kaisa& with_group_layout(GroupLayout g) { group_layout = g; return *this; }
+  Kaisa& with_bucket_bytes(std::size_t b) { bucket_bytes = b; return *this; }
+  Kaisa& with_reduce_to_owner(bool b) { reduce_to_owner = b; return *this; }
+  Kaisa& with_split_preconditioning(bool b) { split_preconditioning = b; return *this; }
+  Kaisa& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
+  Kaisa& with_background_sharing(bool b) { background_sharing = b; return *this; }
+  Kaisa& with_overlap_communication(bool b) { overlap_communication = b; return *this; }
+
+  /// The settings kfac 0.2 read from Options' fields of the same names.
+  static Kaisa from_options(const Options& o) {
+    Kaisa k;
+    k.grad_worker_fraction = o.grad_worker_fraction;
+    k.assignment_cost = o.assignment_cost;
+    k.colocate_factors = o.colocate_factors;
+    k.group_layout = o.group_layout;
+    k.bucket_bytes = o.bucket_bytes;
+    k.reduce_to_owner = o.reduce_to_owner;
+    k.split_preconditioning = o.split_preconditioning;
+    k.comm_precision = o.comm_precision;
+    k.background_sharing = o.background_sharing;
+    k.overlap_communication = o.overlap_communication;
+    return k;
+  }
+  /// The names of the settings `o` changes from their defaults (a policy object given as well
+  /// would leave them unread: the Preconditioner refuses that).
+  static std::vector<std::string> set_in(const Options& o) {
+    const Kaisa d, k = from_options(o);
+    std::vector<std::string> v;
+    if (k.grad_worker_fraction != d.grad_worker_fraction) v.push_back("grad_worker_fraction");
+    if (k.assignment_cost != d.assignment_cost) v.push_back("assignment_cost");
+    if (k.colocate_factors != d.colocate_factors) v.push_back("colocate_factors");
+    if (k.group_layout != d.group_layout) v.push_back("group_layout");
+    if (k.bucket_bytes != d.bucket_bytes) v.push_back("bucket_bytes");
+    if (k.reduce_to_owner != d.reduce_to_owner) v.push_back("reduce_to_owner");
+    if (k.split_preconditioning != d.split_preconditioning) v.push_back("split_preconditioning");
+    if (k.comm_precision != d.comm_precision) v.push_back("comm_precision");
+    if (k.background_sharing != d.background_sharing) v.push_back("background_sharing");
+    if (k.overlap_communication != d.overlap_communication) v.push_back("overlap_communication");
+    return v;
+  }
+
+  /// The per-preconditioner state the policy builds (impl::KaisaState).
   template <class Exec, class Comm>
-  class State {
-   public:
-    using memory_space = typename Exec::memory_space;
-    using request_type = impl::request_of_t<Comm>;  ///< what a started collective returns
-    explicit State(Comm comm) : comm_(std::move(comm)) {}
+  using State = impl::KaisaState<Exec, Comm>;
+};
 
-    const Comm& comm() const { return comm_; }
-    /// The settings every rank must share.
-    std::string signature(const Options& o) const {
-      return "kaisa:f=" + std::to_string(o.grad_worker_fraction) +
-             ";c=" + std::to_string(int(o.assignment_cost)) +
-             ";co=" + std::to_string(int(o.colocate_factors)) + ";g=" + std::to_string(int(o.group_layout)) +
-             ";p=" + std::to_string(int(o.comm_precision)) + ";o=" + std::to_string(int(o.reduce_to_owner)) +
-             ";sp=" + std::to_string(int(o.split_preconditioning)) + ";bg=" + std::to_string(int(o.background_sharing)) +
-             ";ov=" + std::to_string(int(o.overlap_communication)) + ";";
-    }
-    /// Collective: true on every rank when every rank passed the same signature.
-    bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
+namespace impl {
 
-    /// Collective: assigns layers to worker groups and units to ranks, and (once) makes the
-    /// worker and receiver groups. `costs[l]` has one entry per unit of layer l (none for
-    /// skipped and closed-form layers).
-    void plan(const Options& o, const std::vector<std::vector<impl::UnitCost>>& costs) {
-      std::vector<std::vector<double>> c(costs.size());
-      for (std::size_t l = 0; l < costs.size(); ++l)
-        for (const auto& u : costs[l])
-          c[l].push_back(o.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
-      units_.clear();
-      for (const auto& u : costs) units_.push_back(int(u.size()));
-      assignment_ = WorkAssignment(comm_.size(), o.grad_worker_fraction, c, o.colocate_factors, o.group_layout);
-      if (!groups_made_ && comm_.size() > 1) {
-        worker_ = comm_.split(assignment_.worker_group_of(comm_.rank()));
-        receiver_ = comm_.split(assignment_.receiver_group_of(comm_.rank()));
-        if constexpr (impl::has_nonblocking<Comm>::value) sums_group_ = comm_.duplicate();
-        groups_made_ = true;
-      }
-      overlap_ = false;
-      if constexpr (impl::has_nonblocking<Comm>::value)
-        overlap_ = o.overlap_communication && comm_.size() > 1 && (impl::host_accessible_v<Exec> || comm_.device_aware());
-    }
-    /// Options::overlap_communication applies to gradient broadcasts and all-gathers (set by plan()).
-    bool overlaps() const { return overlap_; }
-    /// ... and to factor sums: host memory only (the payload conversions and the sums of a
-    /// bucket run where MPI can read them without a staging copy).
-    bool overlaps_sums() const { return overlap_ && impl::host_accessible_v<Exec>; }
-    const WorkAssignment& assignment() const { return assignment_; }
+/// \brief Kaisa's state on one rank: the assignment, the groups and the collectives.
+template <class Exec, class Comm>
+class KaisaState {
+ public:
+  using memory_space = typename Exec::memory_space;
+  using request_type = impl::request_of_t<Comm>;  ///< what a started collective returns
+  KaisaState(const Kaisa& settings, Comm comm) : k_(settings), comm_(std::move(comm)) {}
+  const Kaisa& settings() const { return k_; }
 
-    /// This rank holds layer l's decompositions and preconditions it (closed forms: everyone).
-    bool holds(std::size_t l) const {
-      return units_.at(l) == 0 || assignment_.is_grad_worker(l, comm_.rank());
-    }
-    bool computes(std::size_t l, int u) const { return assignment_.decomposer(l, u) == comm_.rank(); }
-    /// Max over the ranks that share a decision (here: all).
-    long agree_max(long v) const { return comm_.allreduce_max(v); }
-    void agree_max(long* v, int n) const { comm_.allreduce_max(v, n); }
-    /// Ranks that take part in the agreement at the top of a step (all).
-    int agreement_size() const { return comm_.size(); }
-    std::string share_message(const std::string& s, int root) const { return comm_.broadcast_string(s, root); }
+  const Comm& comm() const { return comm_; }
+  /// The settings every rank must share.
+  std::string signature(const Options&) const {
+    return "kaisa:f=" + std::to_string(k_.grad_worker_fraction) +
+           ";c=" + std::to_string(int(k_.assignment_cost)) +
+           ";co=" + std::to_string(int(k_.colocate_factors)) + ";g=" + std::to_string(int(k_.group_layout)) +
+           ";p=" + std::to_string(int(k_.comm_precision)) + ";o=" + std::to_string(int(k_.reduce_to_owner)) +
+           ";sp=" + std::to_string(int(k_.split_preconditioning)) + ";bg=" + std::to_string(int(k_.background_sharing)) +
+           ";ov=" + std::to_string(int(k_.overlap_communication)) + ";b=" + std::to_string(k_.bucket_bytes) + ";";
+  }
+  /// Collective: true on every rank when every rank passed the same signature.
+  bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
 
-    /// True when a reduced-precision payload narrower than `scalar_size` is in use: the
-    /// statistics then travel as increments (FactorBuffer::base).
-    bool sends_increments(const Options& o, std::size_t scalar_size) const {
-      if (comm_.size() == 1) return false;
-      return o.comm_precision == CommPrecision::bfloat16 ||
-             (o.comm_precision == CommPrecision::float32 && scalar_size == 8);
+  /// Collective: assigns layers to worker groups and units to ranks, and (once) makes the
+  /// worker and receiver groups. `costs[l]` has one entry per unit of layer l (none for
+  /// skipped and closed-form layers).
+  void plan(const Options&, const std::vector<std::vector<impl::UnitCost>>& costs) {
+    const Kaisa& o = k_;
+    std::vector<std::vector<double>> c(costs.size());
+    for (std::size_t l = 0; l < costs.size(); ++l)
+      for (const auto& u : costs[l])
+        c[l].push_back(o.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
+    units_.clear();
+    for (const auto& u : costs) units_.push_back(int(u.size()));
+    assignment_ = WorkAssignment(comm_.size(), o.grad_worker_fraction, c, o.colocate_factors, o.group_layout);
+    if (!groups_made_ && comm_.size() > 1) {
+      worker_ = comm_.split(assignment_.worker_group_of(comm_.rank()));
+      receiver_ = comm_.split(assignment_.receiver_group_of(comm_.rank()));
+      if constexpr (impl::has_nonblocking<Comm>::value) sums_group_ = comm_.duplicate();
+      groups_made_ = true;
     }
-    /// Largest statistic the payload can carry: the payload type's range when it is narrower
-    /// than the statistics (bfloat16, or float32 for double statistics), else unlimited.
-    double payload_max(const Options& o) const {
-      if (comm_.size() == 1 || o.comm_precision == CommPrecision::native) return HUGE_VAL;
-      return o.comm_precision == CommPrecision::bfloat16 ? 3.3895313892515355e38 : double(FLT_MAX);
-    }
-    /// The rank that needs unit u of layer l's averaged factor: its decomposer under
-    /// reduce_to_owner, else -1 (every rank).
-    int factor_owner(const Options& o, std::size_t l, int u) const {
-      return o.reduce_to_owner && comm_.size() > 1 ? assignment_.decomposer(l, u) : -1;
-    }
-    /// Averages the buffers in buckets of at most bucket_bytes, per scalar size (binary16, then
-    /// float, then double), symmetric factors as packed triangles: those of every rank (owner
-    /// -1) over all ranks, bit-identical on every rank; then, owner by owner in rank order, the others to their
-    /// owner only. The order depends only on the assignment, so every rank takes part in the
-    /// same collectives (impl::factor_buckets; the cost model replays the same function).
-    /// kfac::Half factors travel as float (as bfloat16 increments with that payload) and are
-    /// rounded back once, after the average; they are always summed to every rank.
-    void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
-      if (comm_.size() == 1) return;
-      for (const auto& b : buckets_of(all, o)) sum_bucket(exec, all, b, o.comm_precision);
-    }
-    /// \brief average() as nonblocking collectives (overlaps_sums(); else average() itself,
-    /// and nothing is returned): the same buckets, payloads, reduce-to-0-and-broadcast and
-    /// owners, so the same bits and bytes, on a duplicate of the communicator made by plan().
-    /// Every bucket is packed now into its own part of one staging buffer. Returns the sums,
-    /// one per bucket in start order; once every one is complete, finish_average() writes the
-    /// averages back. The buffers must not be read or written until then.
-    std::vector<request_type> start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all,
-                                            const Options& o) {
-      std::vector<request_type> sums;
-      if (!overlaps_sums()) {
-        average(exec, all, o);
-        return sums;
-      }
-      if constexpr (impl::has_nonblocking<Comm>::value) {
-        flight_ = Flight{all, buckets_of(all, o), {}, o.comm_precision};
-        std::size_t total = 0;
-        for (const auto& b : flight_.buckets) {  // each bucket: its flat values, then its payload
-          const std::size_t n = impl::bucket_count(b.bucket), flat = impl::flat_scalar_size(b.scalar_size);
-          flight_.offsets.push_back(total);
-          total += round_up(n * flat) + round_up(n * impl::payload_size(o.comm_precision, flat));
-        }
-        if (flight_staging_.extent(0) < total)
-          flight_staging_ = Kokkos::View<char*, memory_space>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::comm::in_flight"), total);
-        for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
-          const auto& b = flight_.buckets[i];
-          void* flat = flight_staging_.data() + flight_.offsets[i];
-          transfer_bucket(exec, all, b, flat, true);
-          const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
-          if (!impl::payload_is_native(o.comm_precision, flat_size))
-            impl::pack_payload(exec, flat, n, flat_size, o.comm_precision, payload_of(i));
-        }
-        exec.fence();  // MPI reads the packed buckets
-        for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
-          const auto& b = flight_.buckets[i];
-          const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size);
-          const bool native = impl::payload_is_native(o.comm_precision, flat_size);
-          sums.push_back(comm_.start_sum(native ? flight_staging_.data() + flight_.offsets[i] : payload_of(i),
-                                         impl::bucket_count(b.bucket), flat_size, o.comm_precision, b.owner,
-                                         sums_group_));
-        }
-      }
+    overlap_ = false;
+    if constexpr (impl::has_nonblocking<Comm>::value)
+      overlap_ = o.overlap_communication && comm_.size() > 1 && (impl::host_accessible_v<Exec> || comm_.device_aware());
+  }
+  /// Options::overlap_communication applies to gradient broadcasts and all-gathers (set by plan()).
+  bool overlaps() const { return overlap_; }
+  /// ... and to factor sums: host memory only (the payload conversions and the sums of a
+  /// bucket run where MPI can read them without a staging copy).
+  bool overlaps_sums() const { return overlap_ && impl::host_accessible_v<Exec>; }
+  const WorkAssignment& assignment() const { return assignment_; }
+
+  /// This rank holds layer l's decompositions and preconditions it (closed forms: everyone).
+  bool holds(std::size_t l) const {
+    return units_.at(l) == 0 || assignment_.is_grad_worker(l, comm_.rank());
+  }
+  bool computes(std::size_t l, int u) const { return assignment_.decomposer(l, u) == comm_.rank(); }
+  /// Max over the ranks that share a decision (here: all).
+  long agree_max(long v) const { return comm_.allreduce_max(v); }
+  void agree_max(long* v, int n) const { comm_.allreduce_max(v, n); }
+  /// Ranks that take part in the agreement at the top of a step (all).
+  int agreement_size() const { return comm_.size(); }
+  std::string share_message(const std::string& s, int root) const { return comm_.broadcast_string(s, root); }
+
+  /// True when a reduced-precision payload narrower than `scalar_size` is in use: the
+  /// statistics then travel as increments (FactorBuffer::base).
+  bool sends_increments(const Options&, std::size_t scalar_size) const {
+    const Kaisa& o = k_;
+    if (comm_.size() == 1) return false;
+    return o.comm_precision == CommPrecision::bfloat16 ||
+           (o.comm_precision == CommPrecision::float32 && scalar_size == 8);
+  }
+  /// Largest statistic the payload can carry: the payload type's range when it is narrower
+  /// than the statistics (bfloat16, or float32 for double statistics), else unlimited.
+  double payload_max(const Options&) const {
+    const Kaisa& o = k_;
+    if (comm_.size() == 1 || o.comm_precision == CommPrecision::native) return HUGE_VAL;
+    return o.comm_precision == CommPrecision::bfloat16 ? 3.3895313892515355e38 : double(FLT_MAX);
+  }
+  /// The rank that needs unit u of layer l's averaged factor: its decomposer under
+  /// reduce_to_owner, else -1 (every rank).
+  int factor_owner(const Options&, std::size_t l, int u) const {
+    return k_.reduce_to_owner && comm_.size() > 1 ? assignment_.decomposer(l, u) : -1;
+  }
+  /// Averages the buffers in buckets of at most bucket_bytes, per scalar size (binary16, then
+  /// float, then double), symmetric factors as packed triangles: those of every rank (owner
+  /// -1) over all ranks, bit-identical on every rank; then, owner by owner in rank order, the others to their
+  /// owner only. The order depends only on the assignment, so every rank takes part in the
+  /// same collectives (impl::factor_buckets; the cost model replays the same function).
+  /// kfac::Half factors travel as float (as bfloat16 increments with that payload) and are
+  /// rounded back once, after the average; they are always summed to every rank.
+  void average(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const Options& o) {
+    if (comm_.size() == 1) return;
+    for (const auto& b : buckets_of(all)) sum_bucket(exec, all, b, k_.comm_precision);
+    (void)o;
+  }
+  /// \brief average() as nonblocking collectives (overlaps_sums(); else average() itself,
+  /// and nothing is returned): the same buckets, payloads, reduce-to-0-and-broadcast and
+  /// owners, so the same bits and bytes, on a duplicate of the communicator made by plan().
+  /// Every bucket is packed now into its own part of one staging buffer. Returns the sums,
+  /// one per bucket in start order; once every one is complete, finish_average() writes the
+  /// averages back. The buffers must not be read or written until then.
+  std::vector<request_type> start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all,
+                                          const Options& options) {
+    const Kaisa& o = k_;
+    std::vector<request_type> sums;
+    if (!overlaps_sums()) {
+      average(exec, all, options);
       return sums;
     }
-    /// Writes the averages of the sums returned by start_average() back into their factors,
-    /// as average() does, once every one of them is complete (impl::InFlight::complete_sums).
-    void finish_average(const Exec& exec) {
-      if (flight_.buckets.empty()) return;
+    if constexpr (impl::has_nonblocking<Comm>::value) {
+      flight_ = Flight{all, buckets_of(all), {}, o.comm_precision};
+      std::size_t total = 0;
+      for (const auto& b : flight_.buckets) {  // each bucket: its flat values, then its payload
+        const std::size_t n = impl::bucket_count(b.bucket), flat = impl::flat_scalar_size(b.scalar_size);
+        flight_.offsets.push_back(total);
+        total += round_up(n * flat) + round_up(n * impl::payload_size(o.comm_precision, flat));
+      }
+      if (flight_staging_.extent(0) < total)
+        flight_staging_ = Kokkos::View<char*, memory_space>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::comm::in_flight"), total);
       for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
         const auto& b = flight_.buckets[i];
-        if (b.owner >= 0 && b.owner != comm_.rank()) continue;  // reduce-to-owner: only the owner reads the sum
         void* flat = flight_staging_.data() + flight_.offsets[i];
+        transfer_bucket(exec, all, b, flat, true);
         const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
-        if (!impl::payload_is_native(flight_.payload, flat_size))
-          impl::unpack_payload(exec, payload_of(i), n, flat_size, flight_.payload, flat);
-        transfer_bucket(exec, flight_.items, b, flat, false);
+        if (!impl::payload_is_native(o.comm_precision, flat_size))
+          impl::pack_payload(exec, flat, n, flat_size, o.comm_precision, payload_of(i));
       }
-      exec.fence();
-      flight_ = Flight{};
-    }
-    /// Collective: every rank gets each owned factor's average from its owner (before a
-    /// checkpoint or a new assignment), so that every copy is the global factor again.
-    void share_factors(const Exec& exec, const std::vector<impl::FactorBuffer>& all) const {
-      if (comm_.size() == 1) return;
-      exec.fence();
-      for (const auto& f : all)
-        if (f.owner >= 0)
-          impl::on_host<Exec>(comm_, f.storage.data, f.storage.bytes(),
-                              [&](void* p) { comm_.broadcast(p, f.storage.bytes(), f.owner); });
-    }
-    /// Shares layer l's unit u from its decomposer with the rest of the worker group.
-    /// With overlaps(), started here and returned (else complete on return).
-    std::vector<request_type> share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
-      std::vector<request_type> started;
-      if (comm_.size() == 1) return started;
-      const int root = assignment_.receiver_group_of(assignment_.decomposer(l, u));  // index in its worker group
-      for (const auto& b : buffers) {
-        if constexpr (impl::has_nonblocking<Comm>::value) {
-          if (overlap_) {
-            started.push_back(comm_.start_broadcast(b.data, b.bytes(), root, worker_));
-            continue;
-          }
-        }
-        broadcast(b, root, worker_);
-      }
-      return started;
-    }
-    /// Options::background_sharing applies: several ranks, host memory, and a communicator
-    /// with MPI_THREAD_MULTIPLE on every rank (the same answer on every rank).
-    bool shares_in_background(const Options& o) const {
-      bool on = false;
-      if constexpr (impl::has_thread_multiple<Comm>::value && impl::host_accessible_v<Exec>)
-        on = o.background_sharing && comm_.size() > 1 && comm_.thread_multiple();
-      (void)o;
-      return on;
-    }
-    /// A function that shares layer l's units from a background thread, within a duplicate of
-    /// the worker group made for layer l (collectively over the group, the first time), each
-    /// from the root share_unit uses. Everything it needs is copied in now: the thread reads
-    /// no state of this object.
-    impl::BackgroundSharer background_sharer(std::size_t l) {
-      impl::BackgroundSharer sharer;
-      if constexpr (impl::has_thread_multiple<Comm>::value) {
-        if (background_.size() <= l) background_.resize(l + 1);
-        if (!background_[l]) background_[l] = std::make_unique<typename Comm::group_type>(comm_.duplicate(worker_));
-        std::vector<int> roots;
-        for (int u = 0; u < units_.at(l); ++u) roots.push_back(assignment_.receiver_group_of(assignment_.decomposer(l, u)));
-        const auto* group = background_[l].get();
-        const std::size_t max_message = comm_.max_message_bytes();
-        const double timeout = comm_.timeout();
-        sharer = [group, roots, max_message, timeout](int u, const std::vector<impl::Buffer>& buffers) {
-          std::pair<std::size_t, std::size_t> sent{0, 0};
-          for (const auto& b : buffers) {
-            const auto s =
-                Comm::broadcast_polling(b.data, b.bytes(), roots.at(std::size_t(u)), *group, max_message, timeout);
-            sent.first += s.first;
-            sent.second += s.second;
-          }
-          return sent;
-        };
-      }
-      (void)l;
-      return sharer;
-    }
-    /// Counts what a background sharer sent, on the calling thread (bytes_sent() is exact at
-    /// the step that swaps the decomposition in).
-    void count_background(std::pair<std::size_t, std::size_t> sent) {
-      if constexpr (impl::has_thread_multiple<Comm>::value) comm_.count_sent(sent);
-      else (void)sent;
-    }
-    /// Sends layer l's preconditioned gradient from its worker group to the receivers.
-    /// With overlaps(), started here and returned (else complete on return).
-    request_type share_gradient(std::size_t l, const impl::Buffer& b) {
-      if (units_.at(l) == 0 || assignment_.grad_workers() == comm_.size()) return {};
-      if constexpr (impl::has_nonblocking<Comm>::value)
-        if (overlap_) return comm_.start_broadcast(b.data, b.bytes(), assignment_.worker_group(l), receiver_);
-      broadcast(b, assignment_.worker_group(l), receiver_);
-      return {};
-    }
-    /// True when some layer's gradient travels (a fence is needed before the broadcasts).
-    bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
-    /// Split preconditioning: the ranks that divide layer l's preconditioning among them, its
-    /// worker group under Options::split_preconditioning (every rank under COMM-OPT), else 1.
-    int split_parts(const Options& o, std::size_t l) const {
-      return o.split_preconditioning && comm_.size() > 1 && units_.at(l) > 0 ? assignment_.grad_workers() : 1;
-    }
-    /// This rank's part of a divided layer: its index in the layer's worker group.
-    int split_part(std::size_t) const { return assignment_.receiver_group_of(comm_.rank()); }
-    /// Collective over layer l's worker group: every member gets the others' row blocks
-    /// (impl::row_block) of `b`, a matrix of `rows` rows stored row after row. With
-    /// overlaps(), started here and returned (else complete on return).
-    request_type gather_rows(std::size_t /*l: every worker group has grad_workers() members*/, const impl::Buffer& b,
-                     index_t rows) {
-      const int parts = assignment_.grad_workers();
-      const std::size_t row_bytes = rows > 0 ? b.bytes() / std::size_t(rows) : 0;
-      std::vector<std::size_t> bytes;
-      for (int k = 0; k < parts; ++k) {
-        const auto r = impl::row_block(rows, k, parts);
-        bytes.push_back(std::size_t(r.second - r.first) * row_bytes);
-      }
-      if constexpr (impl::has_nonblocking<Comm>::value)
-        if (overlap_) return comm_.start_all_gather(b.data, bytes, worker_);
-      impl::on_host<Exec>(comm_, b.data, b.bytes(), [&](void* p) { comm_.all_gather(p, bytes, worker_); });
-      return {};
-    }
-
-   private:
-    /// The factor-averaging collectives of `all` (impl::factor_buckets: the cost model replays it).
-    static std::vector<impl::FactorBucket> buckets_of(const std::vector<impl::FactorBuffer>& all, const Options& o) {
-      std::vector<std::size_t> counts, sizes;
-      std::vector<int> owners;
-      for (const auto& f : all) {
-        counts.push_back(f.payload_count());
-        sizes.push_back(f.storage.scalar_size);
-        owners.push_back(f.owner);
-      }
-      return impl::factor_buckets(counts, sizes, owners, o.bucket_bytes);
-    }
-    void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
-                    CommPrecision payload) {
-      const std::size_t count = impl::bucket_count(b.bucket), flat_size = impl::flat_scalar_size(b.scalar_size);
-      if (staging_.extent(0) < count * flat_size)
-        staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * flat_size);
-      transfer_bucket(exec, all, b, staging_.data(), true);
-      impl::sum_payload(exec, comm_, staging_.data(), count, flat_size, payload, payload_, b.owner);
-      if (b.owner >= 0 && b.owner != comm_.rank()) return;  // reduce-to-owner: only the owner reads the sum
-      transfer_bucket(exec, all, b, staging_.data(), false);
-    }
-    /// `pack`: the factors of bucket `b` (pieces index b.items, which index `all`) into `flat`,
-    /// in the bucket's flat type (kfac::Half as float), as increments over their bases when
-    /// summed to every rank; else the average (the sum in `flat` over the world size) back
-    /// into them.
-    void transfer_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
-                         void* flat, bool pack) const {
-      if (b.scalar_size == 2) transfer_typed<float, Half>(exec, all, b, flat, pack);
-      else if (b.scalar_size == 4) transfer_typed<float, float>(exec, all, b, flat, pack);
-      else transfer_typed<double, double>(exec, all, b, flat, pack);
-    }
-    template <class T, class S>
-    void transfer_typed(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
-                        void* flat_data, bool pack) const {
-      Kokkos::View<T*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(static_cast<T*>(flat_data),
-                                                                                   impl::bucket_count(b.bucket));
-      const T scale = pack ? T(1) : T(1) / T(comm_.size());
-      std::size_t off = 0;
-      for (const auto& p : b.bucket) {
-        const auto& f = all[b.items[p.item]];
-        const S* base = pack && b.owner >= 0 ? nullptr : static_cast<const S*>(f.base);
-        impl::transfer_factor<Exec, T, S>(exec, f, flat, off, pack, scale, base);
-        off += p.count;
+      exec.fence();  // MPI reads the packed buckets
+      for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
+        const auto& b = flight_.buckets[i];
+        const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size);
+        const bool native = impl::payload_is_native(o.comm_precision, flat_size);
+        sums.push_back(comm_.start_sum(native ? flight_staging_.data() + flight_.offsets[i] : payload_of(i),
+                                       impl::bucket_count(b.bucket), flat_size, o.comm_precision, b.owner,
+                                       sums_group_));
       }
     }
-    static std::size_t round_up(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
-    /// The payload part of in-flight bucket i (after its flat values).
-    void* payload_of(std::size_t i) const {
+    return sums;
+  }
+  /// Writes the averages of the sums returned by start_average() back into their factors,
+  /// as average() does, once every one of them is complete (impl::InFlight::complete_sums).
+  void finish_average(const Exec& exec) {
+    if (flight_.buckets.empty()) return;
+    for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
       const auto& b = flight_.buckets[i];
-      return flight_staging_.data() + flight_.offsets[i] +
-             round_up(impl::bucket_count(b.bucket) * impl::flat_scalar_size(b.scalar_size));
+      if (b.owner >= 0 && b.owner != comm_.rank()) continue;  // reduce-to-owner: only the owner reads the sum
+      void* flat = flight_staging_.data() + flight_.offsets[i];
+      const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
+      if (!impl::payload_is_native(flight_.payload, flat_size))
+        impl::unpack_payload(exec, payload_of(i), n, flat_size, flight_.payload, flat);
+      transfer_bucket(exec, flight_.items, b, flat, false);
     }
-    void broadcast(const impl::Buffer& b, int root, const typename Comm::group_type& g) {
-      impl::on_host<Exec>(comm_, b.data, b.bytes(),
-                          [&](void* p) { comm_.broadcast(p, b.bytes(), root, g); });
+    exec.fence();
+    flight_ = Flight{};
+  }
+  /// Collective: every rank gets each owned factor's average from its owner (before a
+  /// checkpoint or a new assignment), so that every copy is the global factor again.
+  void share_factors(const Exec& exec, const std::vector<impl::FactorBuffer>& all) const {
+    if (comm_.size() == 1) return;
+    exec.fence();
+    for (const auto& f : all)
+      if (f.owner >= 0)
+        impl::on_host<Exec>(comm_, f.storage.data, f.storage.bytes(),
+                            [&](void* p) { comm_.broadcast(p, f.storage.bytes(), f.owner); });
+  }
+  /// Shares layer l's unit u from its decomposer with the rest of the worker group.
+  /// With overlaps(), started here and returned (else complete on return).
+  std::vector<request_type> share_unit(std::size_t l, int u, const std::vector<impl::Buffer>& buffers) {
+    std::vector<request_type> started;
+    if (comm_.size() == 1) return started;
+    const int root = assignment_.receiver_group_of(assignment_.decomposer(l, u));  // index in its worker group
+    for (const auto& b : buffers) {
+      if constexpr (impl::has_nonblocking<Comm>::value) {
+        if (overlap_) {
+          started.push_back(comm_.start_broadcast(b.data, b.bytes(), root, worker_));
+          continue;
+        }
+      }
+      broadcast(b, root, worker_);
     }
+    return started;
+  }
+  /// Options::background_sharing applies: several ranks, host memory, and a communicator
+  /// with MPI_THREAD_MULTIPLE on every rank (the same answer on every rank).
+  bool shares_in_background(const Options&) const {
+    bool on = false;
+    if constexpr (impl::has_thread_multiple<Comm>::value && impl::host_accessible_v<Exec>)
+      on = k_.background_sharing && comm_.size() > 1 && comm_.thread_multiple();
+    return on;
+  }
+  /// A function that shares layer l's units from a background thread, within a duplicate of
+  /// the worker group made for layer l (collectively over the group, the first time), each
+  /// from the root share_unit uses. Everything it needs is copied in now: the thread reads
+  /// no state of this object.
+  impl::BackgroundSharer background_sharer(std::size_t l) {
+    impl::BackgroundSharer sharer;
+    if constexpr (impl::has_thread_multiple<Comm>::value) {
+      if (background_.size() <= l) background_.resize(l + 1);
+      if (!background_[l]) background_[l] = std::make_unique<typename Comm::group_type>(comm_.duplicate(worker_));
+      std::vector<int> roots;
+      for (int u = 0; u < units_.at(l); ++u) roots.push_back(assignment_.receiver_group_of(assignment_.decomposer(l, u)));
+      const auto* group = background_[l].get();
+      const std::size_t max_message = comm_.max_message_bytes();
+      const double timeout = comm_.timeout();
+      sharer = [group, roots, max_message, timeout](int u, const std::vector<impl::Buffer>& buffers) {
+        std::pair<std::size_t, std::size_t> sent{0, 0};
+        for (const auto& b : buffers) {
+          const auto s =
+              Comm::broadcast_polling(b.data, b.bytes(), roots.at(std::size_t(u)), *group, max_message, timeout);
+          sent.first += s.first;
+          sent.second += s.second;
+        }
+        return sent;
+      };
+    }
+    (void)l;
+    return sharer;
+  }
+  /// Counts what a background sharer sent, on the calling thread (bytes_sent() is exact at
+  /// the step that swaps the decomposition in).
+  void count_background(std::pair<std::size_t, std::size_t> sent) {
+    if constexpr (impl::has_thread_multiple<Comm>::value) comm_.count_sent(sent);
+    else (void)sent;
+  }
+  /// Sends layer l's preconditioned gradient from its worker group to the receivers.
+  /// With overlaps(), started here and returned (else complete on return).
+  request_type share_gradient(std::size_t l, const impl::Buffer& b) {
+    if (units_.at(l) == 0 || assignment_.grad_workers() == comm_.size()) return {};
+    if constexpr (impl::has_nonblocking<Comm>::value)
+      if (overlap_) return comm_.start_broadcast(b.data, b.bytes(), assignment_.worker_group(l), receiver_);
+    broadcast(b, assignment_.worker_group(l), receiver_);
+    return {};
+  }
+  /// True when some layer's gradient travels (a fence is needed before the broadcasts).
+  bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
+  /// Split preconditioning: the ranks that divide layer l's preconditioning among them, its
+  /// worker group under Options::split_preconditioning (every rank under COMM-OPT), else 1.
+  int split_parts(const Options&, std::size_t l) const {
+    return k_.split_preconditioning && comm_.size() > 1 && units_.at(l) > 0 ? assignment_.grad_workers() : 1;
+  }
+  /// This rank's part of a divided layer: its index in the layer's worker group.
+  int split_part(std::size_t) const { return assignment_.receiver_group_of(comm_.rank()); }
+  /// Collective over layer l's worker group: every member gets the others' row blocks
+  /// (impl::row_block) of `b`, a matrix of `rows` rows stored row after row. With
+  /// overlaps(), started here and returned (else complete on return).
+  request_type gather_rows(std::size_t /*l: every worker group has grad_workers() members*/, const impl::Buffer& b,
+                   index_t rows) {
+    const int parts = assignment_.grad_workers();
+    const std::size_t row_bytes = rows > 0 ? b.bytes() / std::size_t(rows) : 0;
+    std::vector<std::size_t> bytes;
+    for (int k = 0; k < parts; ++k) {
+      const auto r = impl::row_block(rows, k, parts);
+      bytes.push_back(std::size_t(r.second - r.first) * row_bytes);
+    }
+    if constexpr (impl::has_nonblocking<Comm>::value)
+      if (overlap_) return comm_.start_all_gather(b.data, bytes, worker_);
+    impl::on_host<Exec>(comm_, b.data, b.bytes(), [&](void* p) { comm_.all_gather(p, bytes, worker_); });
+    return {};
+  }
 
-    Comm comm_;
-    WorkAssignment assignment_;
-    std::vector<int> units_;
-    bool groups_made_ = false;
-    typename Comm::group_type worker_{}, receiver_{};
-    std::vector<std::unique_ptr<typename Comm::group_type>> background_;  // per layer: a duplicate of worker_
-    Kokkos::View<char*, memory_space> staging_;
-    Kokkos::View<char*, memory_space> payload_;  // a bucket converted to a float32 or bfloat16 payload
-    bool overlap_ = false;
-    /// What finish_average() needs of the sums start_average() started.
-    struct Flight {
-      std::vector<impl::FactorBuffer> items;
-      std::vector<impl::FactorBucket> buckets;
-      std::vector<std::size_t> offsets;  // of each bucket in flight_staging_
-      CommPrecision payload = CommPrecision::native;
-    };
-    Flight flight_;
-    Kokkos::View<char*, memory_space> flight_staging_;
-    typename Comm::group_type sums_group_{};  // a duplicate of the communicator, for the sums in flight
+ private:
+  /// The factor-averaging collectives of `all` (impl::factor_buckets: the cost model replays it).
+  std::vector<impl::FactorBucket> buckets_of(const std::vector<impl::FactorBuffer>& all) const {
+    const Kaisa& o = k_;
+    std::vector<std::size_t> counts, sizes;
+    std::vector<int> owners;
+    for (const auto& f : all) {
+      counts.push_back(f.payload_count());
+      sizes.push_back(f.storage.scalar_size);
+      owners.push_back(f.owner);
+    }
+    return impl::factor_buckets(counts, sizes, owners, o.bucket_bytes);
+  }
+  void sum_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                  CommPrecision payload) {
+    const std::size_t count = impl::bucket_count(b.bucket), flat_size = impl::flat_scalar_size(b.scalar_size);
+    if (staging_.extent(0) < count * flat_size)
+      staging_ = Kokkos::View<char*, memory_space>("kfac::comm::staging", count * flat_size);
+    transfer_bucket(exec, all, b, staging_.data(), true);
+    impl::sum_payload(exec, comm_, staging_.data(), count, flat_size, payload, payload_, b.owner);
+    if (b.owner >= 0 && b.owner != comm_.rank()) return;  // reduce-to-owner: only the owner reads the sum
+    transfer_bucket(exec, all, b, staging_.data(), false);
+  }
+  /// `pack`: the factors of bucket `b` (pieces index b.items, which index `all`) into `flat`,
+  /// in the bucket's flat type (kfac::Half as float), as increments over their bases when
+  /// summed to every rank; else the average (the sum in `flat` over the world size) back
+  /// into them.
+  void transfer_bucket(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                       void* flat, bool pack) const {
+    if (b.scalar_size == 2) transfer_typed<float, Half>(exec, all, b, flat, pack);
+    else if (b.scalar_size == 4) transfer_typed<float, float>(exec, all, b, flat, pack);
+    else transfer_typed<double, double>(exec, all, b, flat, pack);
+  }
+  template <class T, class S>
+  void transfer_typed(const Exec& exec, const std::vector<impl::FactorBuffer>& all, const impl::FactorBucket& b,
+                      void* flat_data, bool pack) const {
+    Kokkos::View<T*, memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(static_cast<T*>(flat_data),
+                                                                                 impl::bucket_count(b.bucket));
+    const T scale = pack ? T(1) : T(1) / T(comm_.size());
+    std::size_t off = 0;
+    for (const auto& p : b.bucket) {
+      const auto& f = all[b.items[p.item]];
+      const S* base = pack && b.owner >= 0 ? nullptr : static_cast<const S*>(f.base);
+      impl::transfer_factor<Exec, T, S>(exec, f, flat, off, pack, scale, base);
+      off += p.count;
+    }
+  }
+  static std::size_t round_up(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+  /// The payload part of in-flight bucket i (after its flat values).
+  void* payload_of(std::size_t i) const {
+    const auto& b = flight_.buckets[i];
+    return flight_staging_.data() + flight_.offsets[i] +
+           round_up(impl::bucket_count(b.bucket) * impl::flat_scalar_size(b.scalar_size));
+  }
+  void broadcast(const impl::Buffer& b, int root, const typename Comm::group_type& g) {
+    impl::on_host<Exec>(comm_, b.data, b.bytes(),
+                        [&](void* p) { comm_.broadcast(p, b.bytes(), root, g); });
+  }
+
+  Kaisa k_;
+  Comm comm_;
+  WorkAssignment assignment_;
+  std::vector<int> units_;
+  bool groups_made_ = false;
+  typename Comm::group_type worker_{}, receiver_{};
+  std::vector<std::unique_ptr<typename Comm::group_type>> background_;  // per layer: a duplicate of worker_
+  Kokkos::View<char*, memory_space> staging_;
+  Kokkos::View<char*, memory_space> payload_;  // a bucket converted to a float32 or bfloat16 payload
+  bool overlap_ = false;
+  /// What finish_average() needs of the sums start_average() started.
+  struct Flight {
+    std::vector<impl::FactorBuffer> items;
+    std::vector<impl::FactorBucket> buckets;
+    std::vector<std::size_t> offsets;  // of each bucket in flight_staging_
+    CommPrecision payload = CommPrecision::native;
   };
+  Flight flight_;
+  Kokkos::View<char*, memory_space> flight_staging_;
+  typename Comm::group_type sums_group_{};  // a duplicate of the communicator, for the sums in flight
 };
+
+}  // namespace impl
 
 }  // namespace kfac
