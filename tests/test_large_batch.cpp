@@ -83,10 +83,12 @@ TEST_CASE("stale_fisher_after: first until hold, then doubling up to the cap", "
 namespace {
 
 // The small problem's recipe: batch 100 of 300 samples (3 steps per epoch), 6 epochs, tuned
-// at batch 25 (scale 4); stale-Fisher cap 2 epochs = 6 steps, so the intervals go 1, 2, 4, 6.
+// at batch 25 (scale 4); warm-up and damping ramp over 1 epoch (3 steps), damping from 4 x
+// 0.01 (the scale); stale-Fisher cap 2 epochs = 6 steps, so the intervals go 1, 2, 4, 6.
 kfac::recipes::LargeBatch small_recipe() {
   return kfac::recipes::large_batch(100, 3, 6)
       .with_reference_batch(25)
+      .with_warmup_epochs(1)
       .with_lr(0.1)
       .with_damping(0.01)
       .with_kl_clip(0.01)
@@ -100,7 +102,7 @@ double hand_decay(long s) {
   return final_lr + (peak - final_lr) * std::pow(1.0 - double(s - 3) / double(18 - 3), 2.0);
 }
 double hand_lr(long s) { return s >= 3 ? hand_decay(s) : 0.1 + (hand_decay(3) - 0.1) * (double(s) / 3.0); }
-double hand_damping(long s) { return s == 0 ? 0.1 : s >= 3 ? 0.01 : 0.1 * std::pow(0.01 / 0.1, double(s) / 3.0); }
+double hand_damping(long s) { return s == 0 ? 0.04 : s >= 3 ? 0.01 : 0.04 * std::pow(0.01 / 0.04, double(s) / 3.0); }
 long hand_interval(long s) { return s < 3 ? 1 : s < 6 ? 2 : s < 9 ? 4 : 6; }
 const double hand_kl = 0.01 * std::pow(100.0 / 25.0, 1.0);
 
@@ -131,7 +133,8 @@ TEST_CASE("the recipe's schedules match their closed forms", "[large_batch][reci
   CHECK(sgd(3) == Approx(0.2).epsilon(1e-15));
   CHECK(sgd(10) == Approx(lr(10) / 2).epsilon(1e-14));
   // Step decay instead: x0.5 every epoch after the warm-up.
-  const auto step = kfac::recipes::large_batch(100, 3, 6).with_reference_batch(25).with_step_decay(0.5, 1).lr_schedule();
+  const auto step = kfac::recipes::large_batch(100, 3, 6).with_reference_batch(25).with_warmup_epochs(1)
+      .with_step_decay(0.5, 1).lr_schedule();
   CHECK(step(3) == Approx(0.4).epsilon(1e-15));
   CHECK(step(6) == Approx(0.2).epsilon(1e-15));
   CHECK(step(17) == Approx(0.4 / 16).epsilon(1e-15));  // (17 - 3) / 3 = 4 halvings
@@ -139,6 +142,11 @@ TEST_CASE("the recipe's schedules match their closed forms", "[large_batch][reci
   const auto twice = small_recipe().with_inv_per_factor(2).inv_intervals();
   CHECK(twice(0) == 2);
   CHECK(twice(10) == 12);
+  // The default ramp: damping x min(10, scale), none at the reference batch; or as given.
+  CHECK(kfac::recipes::large_batch(25, 12, 6).with_reference_batch(25).damping_schedule()(0) == 0.01);
+  CHECK(kfac::recipes::large_batch(4096, 14, 6).damping_schedule()(0) == Approx(0.1).epsilon(1e-15));
+  CHECK(small_recipe().with_damping_ramp(0.5, 2).damping_schedule()(0) == 0.5);
+  CHECK(small_recipe().with_damping_ramp(0.5, 2).damping_schedule()(6) == 0.01);
   CHECK_THROWS_AS(kfac::recipes::large_batch(0, 3, 6), kfac::Error);
   CHECK_THROWS_AS(kfac::recipes::large_batch(100, 0, 6), kfac::Error);
   CHECK_THROWS_AS(small_recipe().with_warmup_epochs(7).lr_schedule(), kfac::Error);

@@ -42,12 +42,12 @@ namespace recipes {
 /// | double | epochs | length of training, in epochs (the decay ends there) | (constructor) |
 /// | long | reference_batch | the batch `lr` and `kl_clip` were tuned at | 256 |
 /// | double | lr | learning rate at the reference batch (scaled by batch / reference_batch) | 0.1 |
-/// | double | warmup_epochs | linear warm-up from lr to the scaled rate | 1 |
+/// | double | warmup_epochs | linear warm-up from lr to the scaled rate | 0.25 |
 /// | double | decay_power | polynomial decay power from the warm-up's end to `epochs` (0: step decay instead) | 2 |
 /// | double | final_lr_fraction | the decayed rate at `epochs`, as a fraction of the scaled rate | 0.01 |
 /// | double | step_decay_factor, step_decay_epochs | step decay: rate times factor every this many epochs after the warm-up | 0.1, 0 (off) |
 /// | double | damping | damping after the ramp | 0.01 |
-/// | double | damping_start | damping at step 0, decaying geometrically to `damping` | 10 x damping |
+/// | double | damping_start | damping at step 0, decaying geometrically to `damping`; 0: damping x min(10, batch / reference_batch), i.e. no ramp at the reference batch | 0 |
 /// | double | damping_epochs | length of the damping ramp | 1 |
 /// | double | kl_clip | KL-clip bound at the reference batch (0: no clip) | 0.01 |
 /// | double | kl_clip_power | q in kappa (batch / reference_batch)^q | 1 |
@@ -61,13 +61,13 @@ struct LargeBatch {
   double epochs = 0;
   long reference_batch = 256;
   double lr = 0.1;
-  double warmup_epochs = 1.0;
+  double warmup_epochs = 0.25;
   double decay_power = 2.0;
   double final_lr_fraction = 0.01;
   double step_decay_factor = 0.1;
   double step_decay_epochs = 0.0;
   double damping = 0.01;
-  double damping_start = 0.1;
+  double damping_start = 0.0;
   double damping_epochs = 1.0;
   double kl_clip = 0.01;
   double kl_clip_power = 1.0;
@@ -92,8 +92,8 @@ struct LargeBatch {
     step_decay_epochs = every_epochs;
     return *this;
   }
-  /// \brief Damping `value` after a geometric ramp from 10 x value over one epoch.
-  LargeBatch& with_damping(double value) { damping = value; damping_start = 10 * value; return *this; }
+  /// \brief Damping `value` after the ramp (see damping_start).
+  LargeBatch& with_damping(double value) { damping = value; return *this; }
   LargeBatch& with_damping_ramp(double start_value, double over_epochs) {
     damping_start = start_value;
     damping_epochs = over_epochs;
@@ -137,7 +137,15 @@ struct LargeBatch {
   std::function<double(long)> lr_schedule() const { return lr_schedule(lr); }
   std::function<double(long)> damping_schedule() const {
     check();
-    return schedules::geometric_ramp(damping_start, damping, 0, clock().step_at(damping_epochs));
+    return schedules::geometric_ramp(initial_damping(), damping, 0, clock().step_at(damping_epochs));
+  }
+  /// \brief The damping at step 0: damping_start, or by default damping times the batch's scale
+  /// over the reference batch, at most 10. Large steps on young factors are what the ramp
+  /// guards against, and they come with the scaled learning rate: at the reference batch
+  /// there is no ramp.
+  double initial_damping() const {
+    if (damping_start > 0) return damping_start;
+    return damping * std::min(10.0, std::max(1.0, double(batch) / double(reference_batch)));
   }
   double scaled_kl_clip() const { return schedules::kl_clip_for_batch(kl_clip, reference_batch, batch, kl_clip_power); }
   std::function<long(long)> factor_intervals() const {
@@ -171,7 +179,7 @@ struct LargeBatch {
     if (!(warmup_epochs >= 0) || !(warmup_epochs <= epochs)) bad("warmup_epochs must lie in [0, epochs]");
     if (!(final_lr_fraction > 0) || !(final_lr_fraction <= 1)) bad("final_lr_fraction must lie in (0, 1] (the rate stays > 0)");
     if (step_decay_epochs > 0 && !(step_decay_factor > 0 && step_decay_factor <= 1)) bad("step_decay_factor must lie in (0, 1]");
-    if (!(damping > 0) || !(damping_start > 0)) bad("damping values must be > 0");
+    if (!(damping > 0) || !(damping_start >= 0)) bad("damping must be > 0 and damping_start >= 0");
     if (!(damping_epochs >= 0) || !(fresh_epochs >= 0) || !(double_every_epochs > 0) || !(max_interval_epochs >= 0))
       bad("epoch lengths must be >= 0 (double_every_epochs > 0)");
     if (inv_per_factor < 1) bad("inv_per_factor must be >= 1");
