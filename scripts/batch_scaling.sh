@@ -71,12 +71,12 @@ best_lr() {  # model batch optimizer target
 
 if [ "$quick" = 1 ]; then
   for b in 256 4096; do
-    run mlp $b sgd 0.025,0.05 1
+    run mlp $b sgd 0.0125,0.025,0.05 1
     run mlp $b adam 0.002 1
     run mlp $b kfac 0.1 1
   done
 else
-  declare -A sweep=([mlp:sgd]=0.025,0.05,0.1 [mlp:adam]=0.001,0.002,0.004 [mlp:kfac]=0.05,0.1,0.2
+  declare -A sweep=([mlp:sgd]=0.0125,0.025,0.05 [mlp:adam]=0.001,0.002,0.004 [mlp:kfac]=0.05,0.1,0.2
                     [cnn:sgd]=0.025,0.05,0.1 [cnn:adam]=0.0005,0.001,0.002 [cnn:kfac]=0.025,0.05,0.1)
   for cfg in mlp:256 mlp:1024 mlp:4096 mlp:16384 cnn:256 cnn:4096; do
     model=${cfg%%:*}; b=${cfg##*:}

@@ -148,8 +148,10 @@ def report(out, quick):
         rows[key] = {
             "lr": lr, "runs": chosen, "n": len(chosen), "reached": len(hits),
             "epochs": mean([h[0] for h in hits]), "steps": mean([h[1] for h in hits]), "time": mean([h[2] for h in hits]),
-            "spe": mean([r.s_per_epoch() for r in chosen if not r.diverged()]),
+            # cost per epoch counts every run, diverged or not: the steps cost the same
+            "spe": mean([r.s_per_epoch() for r in chosen if r.trained()[0] > 0]),
             "train": mean([r.trained()[1] for r in chosen if not r.diverged()]),
+            "all_diverged": all(r.diverged() for r in chosen),
             "epochs_run": mean([r.trained()[0] for r in chosen]),
             "diverged": sum(1 for r in rs if r.diverged()), "all": len(rs),
         }
@@ -206,6 +208,9 @@ def report(out, quick):
     if k and s and k["reached"] and s["reached"]:
         check("MLP batch 4096 K-FAC time to 88% <= 0.35x SGD's", k["time"] / s["time"], 0.35,
               "%.1fs / %.1fs" % (k["time"], s["time"]))
+    elif k and s and k["reached"] and s["all_diverged"]:
+        lines.append("target MLP batch 4096 K-FAC time to 88%% <= 0.35x SGD's: NOT MEASURED (SGD diverged at every "
+                     "rate tried)")
     elif k and s and k["reached"]:
         # SGD's time to the target exceeds its whole training time: an upper bound of the ratio.
         bound = k["time"] / s["train"]

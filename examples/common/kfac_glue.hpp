@@ -72,7 +72,7 @@ inline ModelFigures measure_model_figures(const World&) { return {}; }
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | string | name | "none", or "large-batch" (kfac::recipes::large_batch) | none |
-/// | double | warmup_epochs | linear warm-up of the learning rate from its batch-256 value | 0.25 |
+/// | double | warmup_epochs | linear warm-up of the learning rate from its batch-256 value; < 0: K-FAC 0.25, SGD and Adam 1 (a quarter epoch let SGD diverge at batch 4096) | -1 |
 /// | double | decay_power | polynomial decay power to the last epoch | 2 |
 /// | double | kl_clip_power | K-FAC's kl_clip times (batch / 256)^q | 1 |
 /// | double | damping_start | K-FAC's damping at step 0, decaying to its damping over one epoch; 0: damping x min(10, batch / 256) | 0 |
@@ -81,7 +81,7 @@ inline ModelFigures measure_model_figures(const World&) { return {}; }
 /// | long, long, double | batch, steps_per_epoch, epochs | the run's (set by nn::Trainer) | 256, 1, 1 |
 struct RecipeSettings {
   std::string name = "none";
-  double warmup_epochs = 0.25;
+  double warmup_epochs = -1.0;
   double decay_power = 2.0;
   double kl_clip_power = 1.0;
   double damping_start = 0.0;
@@ -165,18 +165,19 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_loss_reduction(kfac::LossReduction::mean);
 }
 
-/// \brief The recipe of `r` around a learning rate `lr` tuned at batch 256.
-inline kfac::recipes::LargeBatch recipe_of(const RecipeSettings& r, double lr) {
+/// \brief The recipe of `r` around a learning rate `lr` tuned at batch 256, with a warm-up of
+/// `default_warmup` epochs unless `r` sets one.
+inline kfac::recipes::LargeBatch recipe_of(const RecipeSettings& r, double lr, double default_warmup) {
   return kfac::recipes::large_batch(r.batch, r.steps_per_epoch, r.epochs)
       .with_lr(lr)
-      .with_warmup_epochs(std::min(r.warmup_epochs, r.epochs))
+      .with_warmup_epochs(std::min(r.warmup_epochs >= 0 ? r.warmup_epochs : default_warmup, r.epochs))
       .with_polynomial_decay(r.decay_power);
 }
 /// \brief K-FAC's large-batch recipe (KfacSettings::recipe.name == "large-batch"): lr, damping
 /// and kl_clip of `s` are the batch-256 values it scales and schedules (docs/large_batch.md).
 inline kfac::recipes::LargeBatch recipe_of(const KfacSettings& s) {
   const RecipeSettings& r = s.recipe;
-  auto k = recipe_of(r, s.lr).with_damping(s.damping).with_kl_clip(s.kl_clip, r.kl_clip_power)
+  auto k = recipe_of(r, s.lr, 0.25).with_damping(s.damping).with_kl_clip(s.kl_clip, r.kl_clip_power)
                .with_stale_fisher(r.fresh_epochs, 1.0, r.max_interval_epochs);
   if (r.damping_start > 0) k.with_damping_ramp(r.damping_start, 1.0);
   return k;
@@ -185,7 +186,7 @@ inline kfac::recipes::LargeBatch recipe_of(const KfacSettings& s) {
 /// \brief The first-order counterpart of the recipe for an SGD or Adam rate `base` tuned at
 /// batch 256: the same linear scaling, warm-up and decay (Goyal et al.'s rule).
 inline std::function<double(long)> first_order_lr(const RecipeSettings& r, double base) {
-  return recipe_of(r, base).lr_schedule();
+  return recipe_of(r, base, 1.0).lr_schedule();
 }
 
 /// \brief kfac's description of an example layer (the shapes register_layer and the cost model take).

@@ -91,13 +91,13 @@ void usage() {
       "                                  every N steps (sgd, ngsgd); 0 = synchronous data-parallel (default 0)\n"
       "  --average-momentum 0|1          also average the SGD momentum buffers (default 0)\n"
       "  --recipe none|large-batch       large-batch: K-FAC under kfac::recipes::large_batch (lr scaled with the\n"
-      "                                  batch from 256 and warmed up over 1/4 epoch, polynomial decay to the last\n"
+      "                                  batch from 256, warmed up over 1/4 epoch (sgd, adam: 1), polynomial decay to the last\n"
       "                                  epoch, damping from min(10, batch/256)x down over 1 epoch, KL clip x batch/256,\n"
       "                                  factors and decompositions every step for 1 epoch, then every 2, 4, ...\n"
       "                                  steps up to a quarter epoch); SGD and Adam get the same lr plan (linear\n"
       "                                  scaling, warm-up, decay); --lr values are then rates at batch 256 (default none)\n"
       "  --warmup-epochs E --decay-power P --kl-clip-power Q --damping-start D --fresh-epochs F\n"
-      "  --max-interval-epochs M         the recipe's settings (default 0.25, 2, 1, min(10, batch/256)x --damping,\n"
+      "  --max-interval-epochs M         the recipe's settings (default kfac 0.25 and sgd/adam 1, 2, 1, min(10, batch/256)x --damping,\n"
       "                                  1, 0.25)\n"
       "  --seeds A,B,...                 seeds of initialisation and batch order (default 1,2,3)\n"
       "  --seed N                        one seed (same as --seeds N)\n"
@@ -322,7 +322,7 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
     rs.batch = trainer.batch_size();
     rs.steps_per_epoch = steps;
     rs.epochs = args.epochs;
-    const auto r = nn::recipe_of(rs, trainer.lr());
+    const auto r = nn::recipe_of(rs, trainer.lr(), s.optimizer == nn::OptimizerKind::kfac ? 0.25 : 1.0);
     const auto lr = r.lr_schedule();
     std::printf("[%s] recipe large-batch: lr %g at batch 256 -> %g at %ld over %ld warm-up steps, decay (power %g) to %g",
                 name.c_str(), r.lr, r.scaled_lr(), rs.batch, r.clock().step_at(r.warmup_epochs), r.decay_power,
