@@ -16,6 +16,14 @@ import sys
 TARGET = {"mlp": 0.88, "cnn": 0.91}
 HEADER = re.compile(r"^\[(\S+)\] lr (\S+), seed (\d+), (\d+) steps/epoch")
 STOPPED = re.compile(r"^\[(\S+)\] stopped at step (\d+): (.*)")
+# A row of the demo's runs table: name, lr, seed, final, best, time to target, epochs to target,
+# train time, train CPU (process CPU time of the steps, all threads), maybe "(stopped early)".
+RUNROW = re.compile(r"^(\S+\+lb)\s+(\S+)\s+(\d+)\s+[\d.]+%\s+[\d.]+%\s+.*\s(\S+)\s+(\S+?)(\s+\(stopped early\))?$")
+
+
+def seconds(text):
+    m = re.match(r"^(?:(\d+)m)?([\d.]+)s$", text)
+    return (60 * int(m.group(1) or 0) + float(m.group(2))) if m else float("nan")
 
 
 class Run:
@@ -23,6 +31,7 @@ class Run:
         self.model, self.batch, self.opt, self.lr, self.seed, self.spe = model, batch, opt, lr, seed, spe
         self.evals = []  # (step, wall_s, train_loss or None, acc)
         self.stopped = None
+        self.cpu_s = float("nan")
 
     def target(self):
         return TARGET[self.model]
@@ -49,6 +58,10 @@ class Run:
     def s_per_epoch(self):
         epochs, wall = self.trained()
         return wall / epochs if epochs > 0 else float("nan")
+
+    def cpu_per_epoch(self):
+        epochs, _ = self.trained()
+        return self.cpu_s / epochs if epochs > 0 else float("nan")
 
     def diverged(self):
         """Stopped on a non-finite loss or a failed step, or accuracy collapsed late in the run."""
@@ -82,6 +95,9 @@ def read_dir(d):
                 s = STOPPED.match(line)
                 if s and current is not None:
                     current.stopped = "step %s: %s" % (s.group(2), s.group(3))
+                row = RUNROW.match(line)
+                if row and (row.group(1), row.group(2), int(row.group(3))) in runs:
+                    runs[(row.group(1), row.group(2), int(row.group(3)))].cpu_s = seconds(row.group(5))
     except FileNotFoundError:
         return []
     log = os.path.join(d, "log.csv")
@@ -150,6 +166,7 @@ def report(out, quick):
             "epochs": mean([h[0] for h in hits]), "steps": mean([h[1] for h in hits]), "time": mean([h[2] for h in hits]),
             # cost per epoch counts every run, diverged or not: the steps cost the same
             "spe": mean([r.s_per_epoch() for r in chosen if r.trained()[0] > 0]),
+            "cpu": mean([r.cpu_per_epoch() for r in chosen if r.trained()[0] > 0]),
             "train": mean([r.trained()[1] for r in chosen if not r.diverged()]),
             "all_diverged": all(r.diverged() for r in chosen),
             "epochs_run": mean([r.trained()[0] for r in chosen]),
@@ -159,9 +176,9 @@ def report(out, quick):
     print("\nBest learning rate per model, batch and optimizer (chosen on seed 1; means over the seeds that "
           "reached the target). Ratios: epochs to those at batch 256 (same optimizer), time and s/epoch to SGD's "
           "(same batch)")
-    print("%-5s %6s %-5s %8s %7s %8s %8s %9s %9s %10s %9s %11s  %s" % (
-        "model", "batch", "opt", "lr@256", "reached", "epochs", "steps", "time", "s/epoch", "ep/ep@256",
-        "time/SGD", "s/ep / SGD", "diverged runs (all rates)"))
+    print("%-5s %6s %-5s %8s %7s %8s %8s %9s %9s %9s %10s %9s %11s %11s  %s" % (
+        "model", "batch", "opt", "lr@256", "reached", "epochs", "steps", "time", "s/epoch", "CPU s/ep", "ep/ep@256",
+        "time/SGD", "s/ep / SGD", "CPU / SGD", "diverged runs (all rates)"))
     for key in sorted(rows, key=lambda k: (k[0], k[1], ["sgd", "adam", "kfac"].index(k[2]))):
         model, batch, opt = key
         row = rows[key]
@@ -170,9 +187,11 @@ def report(out, quick):
         ep_ratio = row["epochs"] / base["epochs"] if base else float("nan")
         t_ratio = row["time"] / sgd["time"] if sgd else float("nan")
         s_ratio = row["spe"] / sgd["spe"] if sgd else float("nan")
-        print("%-5s %6d %-5s %8g %7s %8s %8s %9s %9s %10s %9s %11s  %s" % (
+        c_ratio = row["cpu"] / sgd["cpu"] if sgd else float("nan")
+        print("%-5s %6d %-5s %8g %7s %8s %8s %9s %9s %9s %10s %9s %11s %11s  %s" % (
             model, batch, opt, row["lr"], "%d/%d" % (row["reached"], row["n"]), fmt(row["epochs"]), fmt(row["steps"], 0),
-            fmt(row["time"], 1, "s"), fmt(row["spe"], 2, "s"), fmt(ep_ratio), fmt(t_ratio), fmt(s_ratio),
+            fmt(row["time"], 1, "s"), fmt(row["spe"], 2, "s"), fmt(row["cpu"], 2, "s"), fmt(ep_ratio), fmt(t_ratio),
+            fmt(s_ratio), fmt(c_ratio),
             "%d of %d" % (row["diverged"], row["all"]) if row["diverged"] else "none"))
 
     plot(out, rows)
@@ -223,8 +242,9 @@ def report(out, quick):
     else:
         check("MLP batch 4096 K-FAC time to 88% <= 0.35x SGD's", None, 0.35,
               "K-FAC did not reach 88%" if k and s else "not run")
-    check("MLP batch 4096 K-FAC s/epoch <= 1.3x SGD's", k["spe"] / s["spe"] if k and s else None, 1.3,
-          "%.2fs / %.2fs" % (k["spe"], s["spe"]) if k and s else "not run")
+    check("MLP batch 4096 K-FAC s/epoch <= 1.3x SGD's (wall clock)", k["spe"] / s["spe"] if k and s else None, 1.3,
+          "%.2fs / %.2fs; CPU time %.2fs / %.2fs = %.2fx" % (k["spe"], s["spe"], k["cpu"], s["cpu"], k["cpu"] / s["cpu"])
+          if k and s else "not run")
     c, cs = get("cnn", 4096, "kfac"), get("cnn", 4096, "sgd")
     if c:
         within = [r for r in c["runs"] if r.reached() and r.reached()[0] <= 10 and not r.diverged()]
@@ -238,8 +258,9 @@ def report(out, quick):
                                                    ", ".join("%.2f%%" % (100 * r.best_acc()) for r in c["runs"])))
     else:
         check("CNN batch 4096 K-FAC 91% within 10 epochs on each of 3 seeds", None, 0, "not run" + (" (--quick)" if quick else ""))
-    check("CNN batch 4096 K-FAC s/epoch <= 1.3x SGD's", c["spe"] / cs["spe"] if c and cs else None, 1.3,
-          "%.2fs / %.2fs" % (c["spe"], cs["spe"]) if c and cs else "not run" + (" (--quick)" if quick else ""))
+    check("CNN batch 4096 K-FAC s/epoch <= 1.3x SGD's (wall clock)", c["spe"] / cs["spe"] if c and cs else None, 1.3,
+          "%.2fs / %.2fs; CPU time %.2fs / %.2fs = %.2fx" % (c["spe"], cs["spe"], c["cpu"], cs["cpu"], c["cpu"] / cs["cpu"])
+          if c and cs else "not run" + (" (--quick)" if quick else ""))
     diverged = [r for r in runs if r.diverged()]
     lines.append("target no run diverges silently: MET (%d of %d runs diverged, each marked DIVERGED above)" %
                  (len(diverged), len(runs)))

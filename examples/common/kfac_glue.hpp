@@ -77,7 +77,7 @@ inline ModelFigures measure_model_figures(const World&) { return {}; }
 /// | double | kl_clip_power | K-FAC's kl_clip times (batch / 256)^q | 1 |
 /// | double | damping_start | K-FAC's damping at step 0, decaying to its damping over one epoch; 0: damping x min(10, batch / 256) | 0 |
 /// | double | fresh_epochs | K-FAC's factors and decompositions every step for this long | 1 |
-/// | double | max_interval_epochs | then intervals doubling every epoch up to this many epochs' steps | 0.25 |
+/// | double | max_interval_epochs | then intervals doubling every epoch up to this many epochs' steps | 0.5 |
 /// | long, long, double | batch, steps_per_epoch, epochs | the run's (set by nn::Trainer) | 256, 1, 1 |
 struct RecipeSettings {
   std::string name = "none";
@@ -86,7 +86,7 @@ struct RecipeSettings {
   double kl_clip_power = 1.0;
   double damping_start = 0.0;
   double fresh_epochs = 1.0;
-  double max_interval_epochs = 0.25;
+  double max_interval_epochs = 0.5;
   long batch = 256;
   long steps_per_epoch = 1;
   double epochs = 1;

@@ -53,7 +53,7 @@ namespace recipes {
 /// | double | kl_clip_power | q in kappa (batch / reference_batch)^q | 1 |
 /// | double | fresh_epochs | factors and decompositions every step for this long | 1 |
 /// | double | double_every_epochs | then the interval doubles this often | 1 |
-/// | double | max_interval_epochs | and is capped at this many epochs' steps (at least 1 step) | 0.25 |
+/// | double | max_interval_epochs | and is capped at this many epochs' steps (at least 1 step) | 0.5 |
 /// | long | inv_per_factor | decomposition interval = this x the factor interval | 1 |
 struct LargeBatch {
   long batch = 0;
@@ -73,7 +73,7 @@ struct LargeBatch {
   double kl_clip_power = 1.0;
   double fresh_epochs = 1.0;
   double double_every_epochs = 1.0;
-  double max_interval_epochs = 0.25;
+  double max_interval_epochs = 0.5;
   long inv_per_factor = 1;
 
   LargeBatch& with_reference_batch(long b) { reference_batch = b; return *this; }
