@@ -57,6 +57,7 @@ class Adam {
   }
 
   const AdamOptions& options() const { return opt_; }
+  void set_lr(double lr) { opt_.lr = lr; }
 
  private:
   std::vector<Param> params_;

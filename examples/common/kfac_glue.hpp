@@ -10,7 +10,9 @@
 #include "common/sgd.hpp"
 #include "common/world.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -65,6 +67,31 @@ struct ModelFigures {
 inline ModelFigures measure_model_figures(const World&) { return {}; }
 #endif
 
+/// \brief The large-batch recipe's settings (--recipe and the flags after it in --help).
+///
+/// | type | name | description | default |
+/// |---|---|---|---|
+/// | string | name | "none", or "large-batch" (kfac::recipes::large_batch) | none |
+/// | double | warmup_epochs | linear warm-up of the learning rate from its batch-256 value; < 0: K-FAC 0.25, SGD and Adam 1 (a quarter epoch let SGD diverge at batch 4096) | -1 |
+/// | double | decay_power | polynomial decay power to the last epoch | 2 |
+/// | double | kl_clip_power | K-FAC's kl_clip times (batch / 256)^q | 1 |
+/// | double | damping_start | K-FAC's damping at step 0, decaying to its damping over one epoch; 0: damping x min(10, batch / 256) | 0 |
+/// | double | fresh_epochs | K-FAC's factors and decompositions every step for this long | 1 |
+/// | double | max_interval_epochs | then intervals doubling every epoch up to this many epochs' steps | 0.5 |
+/// | long, long, double | batch, steps_per_epoch, epochs | the run's (set by nn::Trainer) | 256, 1, 1 |
+struct RecipeSettings {
+  std::string name = "none";
+  double warmup_epochs = -1.0;
+  double decay_power = 2.0;
+  double kl_clip_power = 1.0;
+  double damping_start = 0.0;
+  double fresh_epochs = 1.0;
+  double max_interval_epochs = 0.5;
+  long batch = 256;
+  long steps_per_epoch = 1;
+  double epochs = 1;
+};
+
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | double | lr | SGD learning rate, also the one KL clipping assumes | 0.1 |
@@ -104,6 +131,9 @@ struct KfacSettings {
   bool reduce_to_owner = false;       ///< kfac::Options::with_reduce_to_owner
   bool split_preconditioning = false; ///< kfac::Options::with_split_preconditioning
   bool overlap_communication = true;  ///< kfac::Options::with_overlap_communication
+  /// kfac::recipes::large_batch with lr, damping and kl_clip above as the values tuned at the
+  /// recipe's reference batch 256 (see recipe_of), or none.
+  RecipeSettings recipe;
 };
 
 /// \brief The gradient-worker fraction `s` asks for on `world_size` ranks (see KfacSettings).
@@ -135,6 +165,30 @@ inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
       .with_loss_reduction(kfac::LossReduction::mean);
 }
 
+/// \brief The recipe of `r` around a learning rate `lr` tuned at batch 256, with a warm-up of
+/// `default_warmup` epochs unless `r` sets one.
+inline kfac::recipes::LargeBatch recipe_of(const RecipeSettings& r, double lr, double default_warmup) {
+  return kfac::recipes::large_batch(r.batch, r.steps_per_epoch, r.epochs)
+      .with_lr(lr)
+      .with_warmup_epochs(std::min(r.warmup_epochs >= 0 ? r.warmup_epochs : default_warmup, r.epochs))
+      .with_polynomial_decay(r.decay_power);
+}
+/// \brief K-FAC's large-batch recipe (KfacSettings::recipe.name == "large-batch"): lr, damping
+/// and kl_clip of `s` are the batch-256 values it scales and schedules (docs/large_batch.md).
+inline kfac::recipes::LargeBatch recipe_of(const KfacSettings& s) {
+  const RecipeSettings& r = s.recipe;
+  auto k = recipe_of(r, s.lr, 0.25).with_damping(s.damping).with_kl_clip(s.kl_clip, r.kl_clip_power)
+               .with_stale_fisher(r.fresh_epochs, 1.0, r.max_interval_epochs);
+  if (r.damping_start > 0) k.with_damping_ramp(r.damping_start, 1.0);
+  return k;
+}
+
+/// \brief The first-order counterpart of the recipe for an SGD or Adam rate `base` tuned at
+/// batch 256: the same linear scaling, warm-up and decay (Goyal et al.'s rule).
+inline std::function<double(long)> first_order_lr(const RecipeSettings& r, double base) {
+  return recipe_of(r, base, 1.0).lr_schedule();
+}
+
 /// \brief kfac's description of an example layer (the shapes register_layer and the cost model take).
 inline kfac::Dense kfac_layer_of(const Dense& layer) {
   return kfac::Dense(layer.in_features(), layer.out_features(), layer.has_bias());
@@ -161,7 +215,14 @@ class KfacSgd {
       : sgd_(net.params(), SgdOptions{}.with_lr(s.lr).with_momentum(s.momentum).with_weight_decay(s.weight_decay)) {
     if (s.inverse != "eigen" && s.inverse != "cholesky")
       throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen or cholesky)");
-    const kfac::Options options = kfac_options(s, world.size());
+    if (s.recipe.name != "none" && s.recipe.name != "large-batch")
+      throw std::invalid_argument("unknown recipe '" + s.recipe.name + "' (expected none or large-batch)");
+    kfac::Options options = kfac_options(s, world.size());
+    if (s.recipe.name == "large-batch") {
+      const kfac::recipes::LargeBatch r = recipe_of(s);
+      options = r.options(options);
+      lr_ = r.lr_schedule();
+    }
     options_ = options;
     cholesky_ = s.inverse == "cholesky";
 #if KFAC_EXAMPLES_HAVE_MPI
@@ -182,9 +243,11 @@ class KfacSgd {
   void step(Network& net) {
     Kokkos::Profiling::pushRegion("kfac::examples::kfac");
     const auto t0 = std::chrono::steady_clock::now();
+    const long step = mpi_ ? mpi_->step_count() : serial_->step_count();  // the step being taken
     with_preconditioner([&](auto& pre) { precondition(net, pre); });
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     Kokkos::Profiling::popRegion();
+    if (lr_) sgd_.set_lr(lr_(step));  // the rate K-FAC's KL clip assumed at this step
     sgd_.step();
   }
 
@@ -244,6 +307,7 @@ class KfacSgd {
 #endif
 
   kfac::Options options_;
+  std::function<double(long)> lr_;  ///< the recipe's learning rate; empty: constant
   bool cholesky_ = false;
   double kfac_seconds_ = 0;
 
@@ -331,6 +395,10 @@ class GradientSync {
 };
 
 #else
+
+inline std::function<double(long)> first_order_lr(const RecipeSettings&, double) {
+  throw std::runtime_error("--recipe needs kfac (this build has none: KFAC_EXAMPLES_WITHOUT_KFAC)");
+}
 
 class KfacSgd {
  public:

@@ -14,6 +14,7 @@
 #include "common/world.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -83,6 +84,8 @@ inline KfacSettings default_kfac(const std::string& model) {
 /// | NgsgdSettings | ngsgd | NG-SGD settings (lr, momentum, weight decay overridden as for K-FAC) | Kaldi's |
 /// | long | average_every | 0: synchronous data-parallel; N: each rank on its own shard, parameters averaged every N steps (sgd, ngsgd) | 0 |
 /// | bool | average_momentum | average the SGD momentum buffers with the parameters (docs/parameter_averaging.md) | false |
+/// | RecipeSettings | recipe | name "none", or "large-batch": K-FAC under kfac::recipes::large_batch, SGD and Adam with its learning-rate plan (linear scaling from batch 256, warm-up, decay); `lr` is then the rate at batch 256 (its batch, steps per epoch and epochs are set here) | none |
+/// | double | epochs | length of training, for the recipe's decay | 8 |
 struct TrainSettings {
   std::string model = "mlp";
   OptimizerKind optimizer = OptimizerKind::sgd;
@@ -95,6 +98,8 @@ struct TrainSettings {
   NgsgdSettings ngsgd;
   long average_every = 0;
   bool average_momentum = false;
+  RecipeSettings recipe;
+  double epochs = 8;
 };
 
 class Trainer {
@@ -105,7 +110,14 @@ class Trainer {
   Trainer(const Dataset& train, const TrainSettings& s, const World& world = World())
       : settings_(s), world_(world), net_(make_model(s.model, s.seed)),
         batcher_(make_batcher(train, s, world)), sync_(net_, s.average_every > 0 ? World() : world),
-        rule_(make_rule(net_, s, world)) {
+        rule_(make_rule(net_, s, world, batcher_)) {
+    if (s.recipe.name != "none" && s.recipe.name != "large-batch")
+      throw std::invalid_argument("unknown recipe '" + s.recipe.name + "' (expected none or large-batch)");
+    if (s.recipe.name == "large-batch") {
+      if (s.average_every > 0 || s.optimizer == OptimizerKind::ngsgd)
+        throw std::invalid_argument("--recipe large-batch: synchronous sgd, adam or kfac only");
+      if (s.optimizer != OptimizerKind::kfac) lr_ = first_order_lr(recipe_for(s, batcher_), lr());
+    }
     if (s.average_every > 0) {
       if (s.optimizer != OptimizerKind::sgd && s.optimizer != OptimizerKind::ngsgd)
         throw std::invalid_argument("--average-every: only sgd and ngsgd train with parameter averaging");
@@ -133,8 +145,14 @@ class Trainer {
     BatchStats stats = loss_.forward_backward(logits, b.y);
     net_.backward(loss_.grad());
     sync_.average();
-    if (auto* sgd = std::get_if<Sgd>(&rule_)) sgd->step();
-    if (auto* adam = std::get_if<Adam>(&rule_)) adam->step();
+    if (auto* sgd = std::get_if<Sgd>(&rule_)) {
+      if (lr_) sgd->set_lr(lr_(steps_taken_));
+      sgd->step();
+    }
+    if (auto* adam = std::get_if<Adam>(&rule_)) {
+      if (lr_) adam->set_lr(lr_(steps_taken_));
+      adam->step();
+    }
     if (auto* kfac = std::get_if<KfacSgd>(&rule_)) kfac->step(net_);
     if (auto* ngsgd = std::get_if<NgsgdSgd>(&rule_)) ngsgd->step(net_);
     Kokkos::fence();
@@ -201,7 +219,17 @@ class Trainer {
     return Batcher(shard(train, world.rank(), world.size()), s.batch / world.size(), derive_seed(s.seed, 3));
   }
 
-  static Rule make_rule(Network& net, const TrainSettings& s, const World& world) {
+  /// The recipe's settings with this run's batch (over all ranks; at most the training set),
+  /// steps per epoch and length.
+  static RecipeSettings recipe_for(const TrainSettings& s, const Batcher& batches) {
+    RecipeSettings r = s.recipe;
+    r.batch = batches.batch_size();
+    r.steps_per_epoch = batches.steps_per_epoch();
+    r.epochs = s.epochs;
+    return r;
+  }
+
+  static Rule make_rule(Network& net, const TrainSettings& s, const World& world, const Batcher& batches) {
     const double lr = s.lr > 0 ? s.lr : default_lr(s.optimizer, s.model);
     switch (s.optimizer) {
       case OptimizerKind::sgd:
@@ -213,6 +241,7 @@ class Trainer {
         k.lr = lr;
         k.momentum = s.momentum;
         k.weight_decay = s.weight_decay;
+        k.recipe = recipe_for(s, batches);
         return KfacSgd(net, k, world);
       }
       case OptimizerKind::ngsgd: {
@@ -235,6 +264,7 @@ class Trainer {
   Rule rule_;
   std::unique_ptr<ParameterAveraging> averaging_;
   std::size_t gradient_bytes_ = 0;
+  std::function<double(long)> lr_;  ///< SGD's or Adam's scheduled rate (--recipe); empty: constant
   long steps_taken_ = 0;
   bool just_averaged_ = false;
 };

@@ -90,6 +90,15 @@ void usage() {
       "  --average-every N               under mpiexec: each rank trains on its own shard, parameters averaged\n"
       "                                  every N steps (sgd, ngsgd); 0 = synchronous data-parallel (default 0)\n"
       "  --average-momentum 0|1          also average the SGD momentum buffers (default 0)\n"
+      "  --recipe none|large-batch       large-batch: K-FAC under kfac::recipes::large_batch (lr scaled with the\n"
+      "                                  batch from 256, warmed up over 1/4 epoch (sgd, adam: 1), polynomial decay to the last\n"
+      "                                  epoch, damping from min(10, batch/256)x down over 1 epoch, KL clip x batch/256,\n"
+      "                                  factors and decompositions every step for 1 epoch, then every 2, 4, ...\n"
+      "                                  steps up to half an epoch); SGD and Adam get the same lr plan (linear\n"
+      "                                  scaling, warm-up, decay); --lr values are then rates at batch 256 (default none)\n"
+      "  --warmup-epochs E --decay-power P --kl-clip-power Q --damping-start D --fresh-epochs F\n"
+      "  --max-interval-epochs M         the recipe's settings (default kfac 0.25 and sgd/adam 1, 2, 1, min(10, batch/256)x --damping,\n"
+      "                                  1, 0.5)\n"
       "  --seeds A,B,...                 seeds of initialisation and batch order (default 1,2,3)\n"
       "  --seed N                        one seed (same as --seeds N)\n"
       "  --threads N                     BLAS threads (default: leave OpenBLAS's choice)\n"
@@ -188,6 +197,13 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--model-figures") a.model_figures = value;
     else if (key == "--decomposition-delay") num(a.train.kfac.decomposition_delay);
     else if (key == "--eigen-refresh") num(a.train.kfac.eigen_refresh);
+    else if (key == "--recipe") a.train.recipe.name = value;
+    else if (key == "--warmup-epochs") num(a.train.recipe.warmup_epochs);
+    else if (key == "--decay-power") num(a.train.recipe.decay_power);
+    else if (key == "--kl-clip-power") num(a.train.recipe.kl_clip_power);
+    else if (key == "--damping-start") num(a.train.recipe.damping_start);
+    else if (key == "--fresh-epochs") num(a.train.recipe.fresh_epochs);
+    else if (key == "--max-interval-epochs") num(a.train.recipe.max_interval_epochs);
     else if (key == "--seed" || key == "--seeds") {
       a.seeds.clear();
       for (double v : to_numbers(key, value)) {
@@ -205,6 +221,9 @@ Args parse(const std::vector<std::string>& argv) {
     else throw std::invalid_argument("unknown option " + key + " (see --help)");
   }
   if (a.epochs < 1 || a.train.batch < 1) throw std::invalid_argument("--epochs and --batch must be >= 1");
+  if (a.train.recipe.name != "none" && a.train.recipe.name != "large-batch")
+    throw std::invalid_argument("--recipe: expected none or large-batch");
+  a.train.epochs = a.epochs;
   for (const auto& [who, list] : a.lrs)
     for (double lr : list)
       if (!(lr > 0)) throw std::invalid_argument("learning rates must be > 0 (" + who + ")");
@@ -246,6 +265,7 @@ std::vector<nn::OptimizerKind> optimizers(const std::string& s, bool lead) {
 /// MEM-OPT), so that the CSV log tells the strategies apart.
 std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_size = 1) {
   std::string n = nn::to_string(k);
+  if (s.recipe.name == "large-batch") n += "+lb";
   if (s.average_every > 0) n += "+avg" + std::to_string(s.average_every) + (s.average_momentum ? "m" : "");
   if (k == nn::OptimizerKind::kfac && world_size > 1) {
     const double f = nn::resolve_grad_worker_fraction(s.kfac, world_size);
@@ -295,6 +315,30 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
                 (unsigned long long)s.seed, steps, trainer.batch_size(),
                 world.size() > 1 ? (" over " + std::to_string(world.size()) + " processes").c_str() : "",
                 schedule.c_str());
+
+#if KFAC_EXAMPLES_HAVE_KFAC
+  if (lead && s.recipe.name == "large-batch") {
+    nn::RecipeSettings rs = s.recipe;
+    rs.batch = trainer.batch_size();
+    rs.steps_per_epoch = steps;
+    rs.epochs = args.epochs;
+    const auto r = nn::recipe_of(rs, trainer.lr(), s.optimizer == nn::OptimizerKind::kfac ? 0.25 : 1.0);
+    const auto lr = r.lr_schedule();
+    std::printf("[%s] recipe large-batch: lr %g at batch 256 -> %g at %ld over %ld warm-up steps, decay (power %g) to %g",
+                name.c_str(), r.lr, r.scaled_lr(), rs.batch, r.clock().step_at(r.warmup_epochs), r.decay_power,
+                lr(long(steps) * args.epochs - 1));
+    if (s.optimizer == nn::OptimizerKind::kfac) {
+      nn::KfacSettings ks = s.kfac;
+      ks.lr = trainer.lr();
+      ks.recipe = rs;
+      const auto k = nn::recipe_of(ks);
+      std::printf("; damping %g -> %g over %ld steps; kl_clip %g; factor/decomposition interval 1 for %ld steps, then up to %ld",
+                  k.initial_damping(), k.damping, k.clock().step_at(k.damping_epochs), k.scaled_kl_clip(),
+                  k.clock().step_at(k.fresh_epochs), k.factor_intervals()(1L << 40));
+    }
+    std::printf("\n");
+  }
+#endif
 
   demo::RunSummary run;
   run.optimizer = name;

@@ -71,6 +71,7 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
     nn::OptimizerKind kind;
     std::string inverse;  // K-FAC only
     double tolerance;     // on drift() after the first step and after the last
+    bool recipe = false;  // --recipe large-batch: the learning rate (and K-FAC's settings) scheduled
   };
   // P ranks sum the gradients and factors in another order than one process, so the weights
   // differ by float rounding only; how much depends on the BLAS kernel (OpenBLAS picks its GEMM
@@ -86,9 +87,11 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
   if (KFAC_EXAMPLES_HAVE_KFAC) {
     cases.push_back({nn::OptimizerKind::kfac, "eigen", 2e-3});
     cases.push_back({nn::OptimizerKind::kfac, "cholesky", 5e-3});
+    cases.push_back({nn::OptimizerKind::sgd, "", 3e-6, true});
+    cases.push_back({nn::OptimizerKind::kfac, "eigen", 2e-3, true});
   }
   for (const Case& c : cases) {
-    DYNAMIC_SECTION(nn::to_string(c.kind) << " " << c.inverse << " on " << p << " ranks") {
+    DYNAMIC_SECTION(nn::to_string(c.kind) << " " << c.inverse << (c.recipe ? " large-batch" : "") << " on " << p << " ranks") {
       nn::TrainSettings s;
       s.model = "mlp";  // no BatchNorm: its per-rank statistics would differ from the whole batch's
       s.optimizer = c.kind;
@@ -97,6 +100,10 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
       s.seed = 9;
       s.kfac.factor_update_steps = 2;
       s.kfac.inv_update_steps = 4;
+      if (c.recipe) {  // 12 steps per epoch, one epoch: warm-up, decay, damping and intervals all move
+        s.recipe.name = "large-batch";
+        s.epochs = 1;
+      }
       const int steps = 10;
       const Trace together = train(data, s, world, steps);
       const Trace alone = train(data, s, nn::World(), steps);

@@ -23,3 +23,4 @@
 #include "kfac/methods/ngsgd/ngsgd.hpp"
 #include "kfac/methods/unit_wise/unit_wise_fisher.hpp"
 #include "kfac/preconditioner.hpp"
+#include "kfac/recipes/large_batch.hpp"
