@@ -179,12 +179,8 @@ class KFACPreconditioner:
             assignment_strategy = AssignmentStrategy[assignment_strategy.upper()]
         if isinstance(compute_method, str):
             compute_method = ComputeMethod[compute_method.upper()]
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world > 1:
-            raise NotImplementedError(
-                'kfac.KFACPreconditioner runs in one process for now (torch.distributed world size '
-                f'{world}); see docs/python.md',
-            )
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        world = dist.get_world_size() if distributed else 1
         if isinstance(grad_worker_fraction, DistributedStrategy):
             fraction = {
                 DistributedStrategy.COMM_OPT: 1.0,
@@ -232,6 +228,9 @@ class KFACPreconditioner:
             nonfinite=nonfinite,
             decomposition_delay=decomposition_delay,
             token_reduction=token_reduction,
+            # torch.distributed's default group: kfac averages the factors over it (KAISA); the
+            # gradients are averaged by the user (DistributedDataParallel) before step().
+            process_group=dist.distributed_c10d._get_default_group() if distributed else None,
         )
         self._core = _kfac.Core(specs, settings)
         self._modules = [modules[name] for name in self._core.modules()]
@@ -251,12 +250,25 @@ class KFACPreconditioner:
 
     @staticmethod
     def _for_core(name: str, v: Any) -> Any:
-        """kl_clip None (kfac-pytorch: no clipping) is kfac's 0."""
-        if name != 'kl_clip':
-            return v
-        if callable(v):
-            return lambda step: 0.0 if v(step) is None else float(v(step))
-        return 0.0 if v is None else v
+        """A value as kfac's Options take it. kl_clip None (kfac-pytorch: no clipping) is kfac's 0.
+        An interval given as a callable f: kfac-pytorch updates at the steps s with
+        s % f(s) == 0, kfac at s + interval(s) after an update at s; the interval handed to kfac
+        is the distance to the next such step."""
+        if name == 'kl_clip':
+            if callable(v):
+                return lambda step: 0.0 if v(step) is None else float(v(step))
+            return 0.0 if v is None else v
+        if name in ('factor_update_steps', 'inv_update_steps') and callable(v):
+
+            @functools.lru_cache(maxsize=64)
+            def interval(step: int) -> int:
+                t = step + 1
+                while t % int(v(t)) != 0:
+                    t += 1
+                return t - step
+
+            return interval
+        return v
 
     def _find_modules(
         self,

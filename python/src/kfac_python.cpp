@@ -10,14 +10,19 @@
 #include <pybind11/stl.h>
 
 #include <Kokkos_Core.hpp>
+#include <chrono>
 #include <kfac/adapters/torch.hpp>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "torch_dist_comm.hpp"
+
 namespace py = pybind11;
 using kfac::impl::TorchModuleSpec;
+using kfac::python::TorchDistComm;
 
 namespace {
 
@@ -224,7 +229,14 @@ class PyPreconditioner {
     const long k = settings.contains("accumulation_steps") ? settings["accumulation_steps"].cast<long>() : 1;
     core_ = std::make_unique<kfac::impl::TorchCore>(
         specs, options_from(settings, hyper_), tokens, k, python_front_end(),
-        [](at::ScalarType dtype, kfac::Options o) -> std::unique_ptr<kfac::impl::TorchBackend> {
+        [&](at::ScalarType dtype, kfac::Options o) -> std::unique_ptr<kfac::impl::TorchBackend> {
+          // Data-parallel: kfac's factors averaged over torch.distributed's default group (KAISA).
+          if (settings.contains("process_group") && !settings["process_group"].is_none()) {
+            TorchDistComm comm(settings["process_group"].cast<TorchDistComm::PG>());
+            if (dtype == at::kDouble)
+              return std::make_unique<kfac::impl::TorchBackendOf<double, TorchDistComm>>(std::move(o), comm);
+            return std::make_unique<kfac::impl::TorchBackendOf<float, TorchDistComm>>(std::move(o), comm);
+          }
           if (dtype == at::kDouble)
             return std::make_unique<kfac::impl::TorchBackendOf<double, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
           return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
@@ -293,29 +305,63 @@ struct RefNetImpl : torch::nn::Module {
   }
 };
 
+/// RefNet with the given parameters (by name), of their dtype.
+std::shared_ptr<RefNetImpl> refnet_with(const py::dict& params) {
+  const at::Tensor w1 = params["fc1.weight"].cast<at::Tensor>(), w2 = params["fc2.weight"].cast<at::Tensor>();
+  auto net = std::make_shared<RefNetImpl>(w1.size(1), w2.size(0));
+  net->to(w1.scalar_type());
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->named_parameters()) p.value().copy_(params[py::str(p.key())].cast<at::Tensor>());
+  return net;
+}
+
 /// Runs the C++ adapter for len(batches) steps on RefNet with the given parameters; returns,
 /// per step, the preconditioned gradients by parameter name and the KL-clip scale.
 py::list cpp_adapter_steps(const py::dict& params, const py::list& batches, const py::dict& settings) {
   ensure_kokkos();
-  const at::Tensor w1 = params["fc1.weight"].cast<at::Tensor>(), w2 = params["fc2.weight"].cast<at::Tensor>();
-  auto net = std::make_shared<RefNetImpl>(w1.size(1), w2.size(0));
-  net->to(w1.scalar_type());
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& p : net->named_parameters()) p.value().copy_(params[py::str(p.key())].cast<at::Tensor>());
-  }
+  auto net = refnet_with(params);
   kfac::adapters::TorchPreconditioner kp(*net, options_from(settings, hyper_from(settings)));
+  std::vector<std::pair<at::Tensor, at::Tensor>> xy;
+  for (const auto& b : batches) xy.push_back(b.cast<std::pair<at::Tensor, at::Tensor>>());
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> steps;
+  std::vector<double> scales;
+  {
+    py::gil_scoped_release no_gil;  // LibTorch's autograd engine refuses to run holding the GIL
+    for (const auto& [x, y] : xy) {
+      net->zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      kp.precondition();
+      steps.emplace_back();
+      for (const auto& p : net->named_parameters()) steps.back().emplace_back(p.key(), p.value().grad().clone());
+      scales.push_back(kp.last_kl_scale());
+    }
+  }
   py::list out;
-  for (const auto& b : batches) {
-    const auto xy = b.cast<std::pair<at::Tensor, at::Tensor>>();
-    net->zero_grad();
-    torch::nn::functional::cross_entropy(net->forward(xy.first), xy.second).backward();
-    kp.precondition();
+  for (std::size_t i = 0; i < steps.size(); ++i) {
     py::dict grads;
-    for (const auto& p : net->named_parameters()) grads[py::str(p.key())] = p.value().grad().clone();
-    out.append(py::make_tuple(grads, kp.last_kl_scale()));
+    for (const auto& [name, g] : steps[i]) grads[py::str(name)] = g;
+    out.append(py::make_tuple(grads, scales[i]));
   }
   return out;
+}
+
+/// Benchmark helper: seconds per step of RefNet's forward, backward and (with_kfac) the C++
+/// adapter's precondition(), over `steps` steps on one batch, after `warmup` untimed ones.
+double cpp_adapter_seconds_per_step(const py::dict& params, const at::Tensor& x, const at::Tensor& y,
+                                    const py::dict& settings, int warmup, int steps, bool with_kfac) {
+  ensure_kokkos();
+  auto net = refnet_with(params);
+  std::optional<kfac::adapters::TorchPreconditioner> kp;
+  if (with_kfac) kp.emplace(*net, options_from(settings, hyper_from(settings)));
+  py::gil_scoped_release no_gil;
+  std::chrono::steady_clock::time_point start;
+  for (int i = 0; i < warmup + steps; ++i) {
+    if (i == warmup) start = std::chrono::steady_clock::now();
+    net->zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    if (kp) kp->precondition();
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / steps;
 }
 
 }  // namespace
@@ -355,4 +401,6 @@ PYBIND11_MODULE(_kfac, m) {
   m.def("finalize", &finalize, "Frees every preconditioner's state and finalizes Kokkos (registered with atexit)");
   m.def("kokkos_initialized", [] { return Kokkos::is_initialized(); });
   m.def("_cpp_adapter_steps", &cpp_adapter_steps, "Test helper: the C++ TorchPreconditioner on RefNet");
+  m.def("_cpp_adapter_seconds_per_step", &cpp_adapter_seconds_per_step,
+        "Benchmark helper: seconds per step of RefNet with the C++ TorchPreconditioner (or without)");
 }

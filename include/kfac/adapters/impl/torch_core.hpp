@@ -392,15 +392,20 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
               (weight_frozen ? "bias" : "weight") + " is not; freeze both, or " + front.skip_hint);
       continue;
     }
-    for (const at::Tensor* p : {&s.weight, &s.bias}) {
+    for (const at::Tensor* p : {&s.weight, &s.bias}) {  // the first problem of the module only
       const std::string dev = torch_device_problem(*p, "a parameter");
-      if (!dev.empty()) problem(dev);
+      if (!dev.empty()) why = dev;
       else if (p->defined() && p->scalar_type() != at::kFloat && p->scalar_type() != at::kDouble)
-        problem(std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + "; kfac supports float32 and float64");
+        why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + "; kfac supports float32 and float64";
       else if (p->defined() && dtype_ != at::ScalarType::Undefined && p->scalar_type() != dtype_)
-        problem(std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + " where the other modules' are " +
-                c10::toString(dtype_) + "; one model, one dtype");
+        why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + " where the other modules' are " +
+              c10::toString(dtype_) + "; one model, one dtype";
       else if (p->defined()) dtype_ = p->scalar_type();
+      if (!why.empty()) break;
+    }
+    if (!why.empty()) {
+      problem(why);
+      continue;
     }
     found.push_back({&s, std::move(*t)});
   }
