@@ -6,6 +6,7 @@ import functools
 import logging
 import re
 import warnings
+import weakref
 from typing import Any
 from typing import Callable
 
@@ -311,15 +312,40 @@ class KFACPreconditioner:
         for i, wanted in enumerate(self._core.wanted()):
             handles = self._handles[i]
             if wanted and handles is None:
-                module = self._modules[i]
-                self._handles[i] = (
-                    module.register_forward_pre_hook(functools.partial(self._save_input, i)),
-                    module.register_full_backward_hook(functools.partial(self._save_grad_output, i)),
-                )
+                self._handles[i] = self._register_hooks(i)
             elif not wanted and handles is not None:
                 for h in handles:
                     h.remove()
                 self._handles[i] = None
+
+    def _register_hooks(self, i: int) -> tuple[Any, Any]:
+        """The hooks hold the preconditioner weakly: one that is no longer referenced is freed
+        and its hooks removed (__del__), rather than kept alive by the model."""
+        ref = weakref.ref(self)
+
+        def save_input(module: torch.nn.Module, inputs: Any) -> None:
+            p = ref()
+            if p is not None:
+                p._save_input(i, module, inputs)
+
+        def save_grad_output(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+            p = ref()
+            if p is not None:
+                p._save_grad_output(i, module, grad_input, grad_output)
+
+        module = self._modules[i]
+        return module.register_forward_pre_hook(save_input), module.register_full_backward_hook(save_grad_output)
+
+    def remove_hooks(self) -> None:
+        """Removes every hook from the model (also done when the preconditioner is freed)."""
+        for i, handles in enumerate(getattr(self, '_handles', [])):
+            if handles is not None:
+                for h in handles:
+                    h.remove()
+                self._handles[i] = None
+
+    def __del__(self) -> None:
+        self.remove_hooks()
 
     def _save_input(self, i: int, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         if module.training and torch.is_grad_enabled():

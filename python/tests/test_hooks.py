@@ -134,3 +134,15 @@ def test_finalized_at_exit_with_preconditioners_alive() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr == ''
+
+
+def test_a_dropped_preconditioner_leaves_no_hooks() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    p = kfac.KFACPreconditioner(model)
+    assert len(model[0]._forward_pre_hooks) == 1 and len(model[0]._backward_hooks) == 1
+    del p  # the hooks hold it weakly: freed at once, its hooks removed
+    assert len(model[0]._forward_pre_hooks) == 0 and len(model[0]._backward_hooks) == 0
+    q = kfac.KFACPreconditioner(model)
+    q.remove_hooks()
+    assert len(model[2]._forward_pre_hooks) == 0
+    _loss(model).backward()  # runs without hooks
