@@ -169,3 +169,15 @@ def test_a_constant_from_the_state_dict_replaces_the_given_one() -> None:
         runs.append(grads(model))
     for name in runs[0]:
         assert torch.equal(runs[0][name], runs[1][name])
+
+
+def test_a_float32_factor_past_lapackes_float_workspace_query() -> None:
+    """LAPACKE_ssyevd's own workspace query returns 1 + 6n + 2n^2 as a float, rounded below the
+    minimum from n = 2896 on (ssyevd: 'parameter number 8 had an illegal value'); kfac passes the
+    sizes itself. A has n = 2895 + 1 (bias) here."""
+    torch.manual_seed(7)
+    layer = torch.nn.Linear(2895, 2)
+    p = kfac.KFACPreconditioner(layer, damping=0.1)
+    torch.nn.functional.cross_entropy(layer(torch.randn(4, 2895)), torch.tensor([0, 1, 1, 0])).backward()
+    p.step()
+    assert torch.isfinite(layer.weight.grad).all()
