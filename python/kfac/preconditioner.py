@@ -116,8 +116,8 @@ class KFACPreconditioner:
         loglevel: level of the registration log lines.
 
     Args (kfac's own):
-        methods: {regex: 'eigen' | 'inverse'} per module name (first match wins), over
-            compute_method.
+        methods: {regex: 'eigen' | 'inverse' | 'ngsgd'} per Linear/Conv2d module name (first
+            match wins), over compute_method; 'ngsgd' is Kaldi's online natural gradient.
         pi_damping: with 'inverse', pi-damping (Martens & Grosse 2015, section 6.3) instead of
             the same damping on both factors.
         loss_reduction: 'mean' (default; the loss is a mean over the batch) or 'sum'.

@@ -172,7 +172,8 @@ TorchModuleSpec spec_from(const py::dict& d) {
   if (d.contains("method")) {
     const std::string m = d["method"].cast<std::string>();
     if (m == "inverse") s.method = kfac::impl::TorchMethod::inverse;
-    else if (m != "eigen") throw kfac::Error(s.name, "method '" + m + "': expected 'eigen' or 'inverse'");
+    else if (m == "ngsgd") s.method = kfac::impl::TorchMethod::ngsgd;
+    else if (m != "eigen") throw kfac::Error(s.name, "method '" + m + "': expected 'eigen', 'inverse' or 'ngsgd'");
   }
   if (d.contains("pi_damping")) s.pi_damping = d["pi_damping"].cast<bool>();
   if (d.contains("weight") && !d["weight"].is_none()) s.weight = d["weight"].cast<at::Tensor>();

@@ -181,3 +181,23 @@ def test_a_float32_factor_past_lapackes_float_workspace_query() -> None:
     torch.nn.functional.cross_entropy(layer(torch.randn(4, 2895)), torch.tensor([0, 1, 1, 0])).backward()
     p.step()
     assert torch.isfinite(layer.weight.grad).all()
+
+
+def test_ngsgd_per_module_keeps_the_gradient_norm() -> None:
+    """methods={'fc': 'ngsgd'}: Kaldi's NG-SGD on that module (its scale gamma keeps the
+    Frobenius norm of [W | b]'s gradient), kfac's K-FAC on the other."""
+    torch.manual_seed(37)
+    model = ConvLinear().double()
+    p = kfac.KFACPreconditioner(model, methods={'^fc$': 'ngsgd'}, kl_clip=None, damping=0.01)
+    for _ in range(3):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.randn(6, 2, 5, 4, dtype=torch.float64)), torch.randint(0, 4, (6,))).backward()
+        before = torch.cat([model.fc.weight.grad, model.fc.bias.grad[:, None]], 1).clone()
+        conv_before = model.conv.weight.grad.clone()
+        p.step()
+        after = torch.cat([model.fc.weight.grad, model.fc.bias.grad[:, None]], 1)
+        assert not torch.allclose(after, before)
+        assert after.norm().item() == pytest.approx(before.norm().item(), rel=1e-10)
+        assert not torch.allclose(model.conv.weight.grad.norm(), conv_before.norm())  # K-FAC changes it
+    with pytest.raises(kfac.KFACError, match="method 'adam': expected 'eigen', 'inverse' or 'ngsgd'"):
+        kfac.KFACPreconditioner(ConvLinear(), methods={'fc': 'adam'})

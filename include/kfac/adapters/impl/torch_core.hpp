@@ -30,6 +30,7 @@ enum class TorchKind { dense, conv2d, batch_norm };
 enum class TorchMethod {
   eigen,    ///< KFAC<> (eigendecompositions; damping added to the eigenvalue products)
   inverse,  ///< KFAC<Symmetric, Cholesky<>> (explicit inverses; factored damping)
+  ngsgd,    ///< NGSGD (Kaldi's online natural gradient, its defaults; docs/ngsgd.md)
 };
 
 /// \brief The wording of one front end in the core's error messages.
@@ -256,7 +257,8 @@ class TorchBackendOf final : public TorchBackend {
   template <class Layer>
   void add_kronecker(const std::string& name, const Layer& l, TorchMethod m, bool pi) {
     if (m == TorchMethod::eigen) pre_.register_layer(name, l);
-    else pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{Cholesky<>{}.with_pi_damping(pi)});
+    else if (m == TorchMethod::inverse) pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{Cholesky<>{}.with_pi_damping(pi)});
+    else pre_.register_layer(name, l, NGSGD{});
   }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
   preconditioner_type pre_;
