@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -28,12 +29,12 @@ def _model():
     return ConvLinear().double()
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, strategy: str) -> None:
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group('gloo', rank=rank, world_size=WORLD)
     model = torch.nn.parallel.DistributedDataParallel(_model())
-    p = kfac.KFACPreconditioner(model, **SETTINGS)
+    p = kfac.KFACPreconditioner(model, grad_worker_fraction=kfac.DistributedStrategy[strategy], **SETTINGS)
     assert p.modules() == ['module.conv', 'module.fc'], p.modules()
     steps = []
     for x, y in _batches():
@@ -46,11 +47,14 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_gloo_processes_equal_one_process_on_the_whole_batch(tmp_path) -> None:
+@pytest.mark.parametrize('strategy', ['COMM_OPT', 'MEM_OPT'])
+def test_two_gloo_processes_equal_one_process_on_the_whole_batch(tmp_path, strategy: str) -> None:
+    """COMM_OPT: every rank decomposes and preconditions; MEM_OPT (grad_worker_fraction 1/2):
+    each layer's decompositions and preconditioning on one rank, its gradient broadcast."""
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(port, str(tmp_path), strategy), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f'rank{r}.pt') for r in range(WORLD)]
 
     model = _model()
