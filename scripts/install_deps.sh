@@ -12,7 +12,7 @@ packages=(
   clang libclang-rt-14-dev
   dataset-fashion-mnist
   libtorch-dev
-  python3-torch python3-numpy python3-dev pybind11-dev python3-pytest python3-torchvision
+  python3-torch python3-numpy python3-dev pybind11-dev python3-pytest python3-torchvision python3-mpi4py
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -124,6 +124,8 @@ class KFACPreconditioner:
         nonfinite: 'raise' (default) or 'skip' (a step with NaN/Inf changes nothing).
         decomposition_delay: decompositions of step s used from step s + d.
         token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in).
+        mpi_comm: an mpi4py communicator: kfac's factors are averaged over it (instead of
+            torch.distributed's default group); the gradients are averaged by the caller.
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class KFACPreconditioner:
         nonfinite: str = 'raise',
         decomposition_delay: int = 0,
         token_reduction: str = 'none',
+        mpi_comm: Any = None,
     ) -> None:
         self._check(factor_update_steps, 'factor_update_steps', lambda v: v > 0, 'must be > 0')
         self._check(inv_update_steps, 'inv_update_steps', lambda v: v > 0, 'must be > 0')
@@ -180,8 +183,10 @@ class KFACPreconditioner:
             assignment_strategy = AssignmentStrategy[assignment_strategy.upper()]
         if isinstance(compute_method, str):
             compute_method = ComputeMethod[compute_method.upper()]
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        world = dist.get_world_size() if distributed else 1
+        distributed = mpi_comm is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        world = mpi_comm.Get_size() if mpi_comm is not None else dist.get_world_size() if distributed else 1
+        if mpi_comm is not None and not _kfac.has_mpi():
+            raise ValueError('mpi_comm: this kfac was built without MPI (KFAC_ENABLE_MPI)')
         if isinstance(grad_worker_fraction, DistributedStrategy):
             fraction = {
                 DistributedStrategy.COMM_OPT: 1.0,
@@ -232,6 +237,7 @@ class KFACPreconditioner:
             # torch.distributed's default group: kfac averages the factors over it (KAISA); the
             # gradients are averaged by the user (DistributedDataParallel) before step().
             process_group=dist.distributed_c10d._get_default_group() if distributed else None,
+            mpi_comm=mpi_comm if mpi_comm is not None and world > 1 else None,
         )
         self._core = _kfac.Core(specs, settings)
         self._modules = [modules[name] for name in self._core.modules()]

@@ -231,6 +231,16 @@ class PyPreconditioner {
     core_ = std::make_unique<kfac::impl::TorchCore>(
         specs, options_from(settings, hyper_), tokens, k, python_front_end(),
         [&](at::ScalarType dtype, kfac::Options o) -> std::unique_ptr<kfac::impl::TorchBackend> {
+#if KFAC_HAVE_MPI
+          // Data-parallel over an mpi4py communicator (its Fortran handle: no mpi4py headers needed).
+          if (settings.contains("mpi_comm") && !settings["mpi_comm"].is_none()) {
+            const MPI_Comm c = MPI_Comm_f2c(MPI_Fint(settings["mpi_comm"].attr("py2f")().cast<int>()));
+            kfac::MpiComm comm(c);
+            if (dtype == at::kDouble)
+              return std::make_unique<kfac::impl::TorchBackendOf<double, kfac::MpiComm>>(std::move(o), comm);
+            return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::MpiComm>>(std::move(o), comm);
+          }
+#endif
           // Data-parallel: kfac's factors averaged over torch.distributed's default group (KAISA).
           if (settings.contains("process_group") && !settings["process_group"].is_none()) {
             TorchDistComm comm(settings["process_group"].cast<TorchDistComm::PG>());
@@ -401,6 +411,11 @@ PYBIND11_MODULE(_kfac, m) {
       .def("release", &PyPreconditioner::release);
   m.def("finalize", &finalize, "Frees every preconditioner's state and finalizes Kokkos (registered with atexit)");
   m.def("kokkos_initialized", [] { return Kokkos::is_initialized(); });
+#if KFAC_HAVE_MPI
+  m.def("has_mpi", [] { return true; }, "True when built with MPI (mpi_comm= works)");
+#else
+  m.def("has_mpi", [] { return false; }, "True when built with MPI (mpi_comm= works)");
+#endif
   m.def("_cpp_adapter_steps", &cpp_adapter_steps, "Test helper: the C++ TorchPreconditioner on RefNet");
   m.def("_cpp_adapter_seconds_per_step", &cpp_adapter_seconds_per_step,
         "Benchmark helper: seconds per step of RefNet with the C++ TorchPreconditioner (or without)");
