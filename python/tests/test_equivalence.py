@@ -201,3 +201,65 @@ def test_ngsgd_per_module_keeps_the_gradient_norm() -> None:
         assert not torch.allclose(model.conv.weight.grad.norm(), conv_before.norm())  # K-FAC changes it
     with pytest.raises(kfac.KFACError, match="method 'adam': expected 'eigen', 'inverse' or 'ngsgd'"):
         kfac.KFACPreconditioner(ConvLinear(), methods={'fc': 'adam'})
+
+
+def _two_runs(make_loss_a, make_loss_b, kwargs_a, kwargs_b, steps=2):
+    torch.manual_seed(47)
+    a, b = ConvLinear().double(), ConvLinear().double()
+    b.load_state_dict(a.state_dict())
+    pa, pb = kfac.KFACPreconditioner(a, **kwargs_a), kfac.KFACPreconditioner(b, **kwargs_b)
+    for _ in range(steps):
+        x = torch.randn(6, 2, 5, 4, dtype=torch.float64)
+        y = torch.randint(0, 4, (6,))
+        for model, p, make_loss in ((a, pa, make_loss_a), (b, pb, make_loss_b)):
+            model.zero_grad()
+            make_loss(model, x, y)
+            p.step()
+        ga, gb = grads(a), grads(b)
+        for name in ga:
+            assert torch.allclose(ga[name], gb[name], rtol=1e-12, atol=1e-15), name
+
+
+def test_grad_scaler_unscales_the_output_gradients() -> None:
+    """AMP's recipe: the loss scaled by s, the gradients unscaled before step(); grad_scaler
+    (a callable, or an object with get_scale()) divides the hooks' output gradients by s."""
+
+    def plain(model, x, y):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    def scaled(model, x, y):
+        (1024.0 * torch.nn.functional.cross_entropy(model(x), y)).backward()
+        for q in model.parameters():
+            q.grad /= 1024.0
+
+    class Scaler:
+        def get_scale(self) -> float:
+            return 1024.0
+
+    _two_runs(plain, scaled, SETTINGS, dict(SETTINGS, grad_scaler=lambda: 1024.0))
+    _two_runs(plain, scaled, SETTINGS, dict(SETTINGS, grad_scaler=Scaler()))
+
+
+def test_token_reduction_expand_treats_tokens_as_samples() -> None:
+    """A Linear on (B, T, in) with token_reduction='expand' equals the same Linear on the (B T, in)
+    rows; without a token reduction the module is named."""
+    torch.manual_seed(53)
+    a, b = torch.nn.Linear(3, 4).double(), torch.nn.Linear(3, 4).double()
+    b.load_state_dict(a.state_dict())
+    pa = kfac.KFACPreconditioner(a, token_reduction='expand', **SETTINGS)
+    pb = kfac.KFACPreconditioner(b, **SETTINGS)
+    for _ in range(2):
+        x, y = torch.randn(2, 5, 3, dtype=torch.float64), torch.randint(0, 4, (10,))
+        a.zero_grad()
+        b.zero_grad()
+        torch.nn.functional.cross_entropy(a(x).reshape(10, 4), y).backward()
+        torch.nn.functional.cross_entropy(b(x.reshape(10, 3)), y).backward()
+        pa.step()
+        pb.step()
+        assert torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-12, atol=1e-15)
+    c = torch.nn.Linear(3, 4)
+    pc = kfac.KFACPreconditioner(c)
+    with pytest.raises(kfac.KFACError, match="token_reduction='expand' or 'reduce'") as info:
+        c(torch.randn(2, 5, 3)).sum().backward()
+    assert info.value.layer == 'root'
+    del pc
