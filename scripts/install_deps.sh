@@ -13,6 +13,7 @@ packages=(
   dataset-fashion-mnist
   libtorch-dev
   doxygen
+  python3-torch python3-numpy python3-dev pybind11-dev python3-pytest python3-torchvision python3-mpi4py
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -99,32 +99,23 @@ struct TorchOptions {
 class TorchPreconditioner;
 
 }  // namespace adapters
+}  // namespace kfac
+
+#include "kfac/adapters/impl/torch_core.hpp"
+
+namespace kfac {
 
 namespace impl {
 
-enum class TorchKind { dense, conv2d, batch_norm };
-struct ModuleProblem;
-
-/// What observed() records for one registered module between two precondition() calls.
-struct TorchCapture {
-  std::string name;
-  TorchKind kind = TorchKind::dense;
-  adapters::TokenReduction tokens = adapters::TokenReduction::none;
-  double bn_eps = 1e-5;
-  bool wanted = true;   ///< the next step updates this module's statistics
-  long generation = 0;  ///< bumped when the observations are dropped; stale hooks then do nothing
-  std::mutex mutex;     ///< hooks may run on autograd's threads
-  std::vector<at::Tensor> inputs, grads;  ///< per call: the input kfac sees, its output gradient
-  std::vector<long> tokens_per_row;       ///< per call: T for TokenReduction::reduce, else 1
-
-  void clear() {
-    std::lock_guard<std::mutex> lock(mutex);
-    inputs.clear();
-    grads.clear();
-    tokens_per_row.clear();
-    ++generation;
-  }
-};
+/// The wording of the C++ front end in the shared core's messages.
+inline const TorchFrontEnd& cpp_front_end() {
+  static const TorchFrontEnd f{
+      "TorchPreconditioner", "torch::nn::Linear, Conv2d or BatchNorm2d",
+      "add it to TorchOptions::with_skip to leave it to the optimizer alone", "TorchOptions::accumulation_steps",
+      "its forward was not called through kfac::adapters::observed() in training mode with autograd on",
+      "state how tokens reduce with TorchOptions::with_token_reduction(TokenReduction::expand or ::reduce)"};
+  return f;
+}
 
 /// Module -> capture, for observed(); one TorchPreconditioner per module at a time.
 class TorchRegistry {
@@ -158,77 +149,6 @@ inline bool glob_match(const char* p, const char* s) {
   if (*p == '*') return glob_match(p + 1, s) || (*s != '\0' && glob_match(p, s + 1));
   return *s != '\0' && (*p == '?' || *p == *s) && glob_match(p + 1, s + 1);
 }
-
-inline std::string torch_device_problem(const at::Tensor& t, const char* what) {
-  if (!t.defined() || t.device().is_cpu()) return {};
-  return std::string(what) + " is on " + t.device().str() +
-         "; kfac's LibTorch adapter works on CPU tensors only (Debian's libtorch-dev is CPU-only)";
-}
-
-/// The type-erased Preconditioner: one implementation per Scalar (float, double).
-class TorchBackend {
- public:
-  virtual ~TorchBackend() = default;
-  virtual void add(const std::string& name, const Dense& l) = 0;
-  virtual void add(const std::string& name, const Conv2d& l) = 0;
-  virtual void add(const std::string& name, const BatchNorm2d& l) = 0;
-  virtual bool wants_observations() const = 0;
-  virtual bool wants_observations(const std::string& name) const = 0;
-  virtual bool is_skipped(const std::string& name) const = 0;
-  /// Tensors contiguous, of the backend's dtype, rank 2 or 4.
-  virtual void observe(const std::string& name, const at::Tensor& x, const at::Tensor& g) = 0;
-  /// `b` undefined for a layer without bias.
-  virtual void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) = 0;
-  virtual void step() = 0;
-  virtual long step_count() const = 0;
-  virtual double last_kl_scale() const = 0;
-  virtual const Options& options() const = 0;
-  /// The maximum of `v` over the ranks (v itself in a serial run).
-  virtual long agree_max(long v) const = 0;
-};
-
-using TorchExec = Kokkos::DefaultHostExecutionSpace;
-
-template <class Scalar, class Comm>
-class TorchBackendOf final : public TorchBackend {
- public:
-  using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
-  TorchBackendOf(Options o, Comm comm) : pre_(std::move(o), TorchExec{}, std::move(comm)) {}
-
-  void add(const std::string& name, const Dense& l) override { pre_.register_layer(name, l); }
-  void add(const std::string& name, const Conv2d& l) override { pre_.register_layer(name, l); }
-  void add(const std::string& name, const BatchNorm2d& l) override { pre_.register_layer(name, l); }
-  bool wants_observations() const override { return pre_.wants_observations(); }
-  bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
-  bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
-  void observe(const std::string& name, const at::Tensor& x, const at::Tensor& g) override {
-    const Scalar* xp = x.data_ptr<Scalar>();
-    const Scalar* gp = g.data_ptr<Scalar>();
-    if (x.dim() == 4) pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1), n(x, 2), n(x, 3)));
-    else pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1)));
-    if (g.dim() == 4) pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1), n(g, 2), n(g, 3)));
-    else pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1)));
-  }
-  void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) override {
-    const auto bias = b.defined() ? adapters::from_raw(b.data_ptr<Scalar>(), n(b, 0))
-                                  : adapters::from_raw(static_cast<Scalar*>(nullptr), 0);
-    Scalar* wp = w.data_ptr<Scalar>();
-    if (w.dim() == 4) pre_.set_gradient(name, adapters::from_raw(wp, n(w, 0), n(w, 1), n(w, 2), n(w, 3)), bias);
-    else if (w.dim() == 2) pre_.set_gradient(name, adapters::from_raw(wp, n(w, 0), n(w, 1)), bias);
-    else pre_.set_gradient(name, adapters::from_raw(wp, n(w, 0)), bias);
-  }
-  void step() override { pre_.step(); }
-  long step_count() const override { return pre_.step_count(); }
-  double last_kl_scale() const override { return pre_.last_kl_scale(); }
-  const Options& options() const override { return pre_.options(); }
-  long agree_max(long v) const override { return pre_.communicator().allreduce_max(v); }
-
-  preconditioner_type& preconditioner() { return pre_; }
-
- private:
-  static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
-  preconditioner_type pre_;
-};
 
 }  // namespace impl
 
@@ -273,16 +193,16 @@ class TorchPreconditioner {
   std::vector<std::string> modules() const;
   /// \brief Modules with parameters that were left out, with the reason ("skip list",
   /// "frozen: requires_grad = false").
-  const std::vector<std::string>& skipped() const { return skipped_; }
+  const std::vector<std::string>& skipped() const { return core_->skipped(); }
   /// \brief The paths of the modules left out because their parameters were frozen
   /// (`requires_grad = false`) when the preconditioner was built; the optimizer alone sees them.
-  const std::vector<std::string>& frozen() const { return frozen_; }
+  const std::vector<std::string>& frozen() const { return core_->frozen(); }
   /// \brief The parameters' dtype, which is the Preconditioner's Scalar.
-  at::ScalarType dtype() const { return dtype_; }
+  at::ScalarType dtype() const { return core_->dtype(); }
   /// \brief True when the next precondition() updates some module's statistics.
-  bool wants_observations() const { return backend_->wants_observations(); }
-  long step_count() const { return backend_->step_count(); }
-  double last_kl_scale() const { return backend_->last_kl_scale(); }
+  bool wants_observations() const { return core_->backend().wants_observations(); }
+  long step_count() const { return core_->backend().step_count(); }
+  double last_kl_scale() const { return core_->backend().last_kl_scale(); }
   /// \brief The Preconditioner underneath, for checkpoints (save/load), memory reports and
   /// inspection. \throws kfac::Error when Scalar is not the parameters' dtype or Comm not the
   /// communicator in use (SerialComm, or MpiComm under TorchOptions::with_mpi).
@@ -290,23 +210,11 @@ class TorchPreconditioner {
   Preconditioner<Scalar, impl::TorchExec, Comm>& preconditioner();
 
  private:
-  struct Entry {
-    std::shared_ptr<impl::TorchCapture> capture;
-    const torch::nn::Module* module;
-    at::Tensor weight, bias;  ///< the parameters (their .grad() is preconditioned)
-  };
-  void register_module(const std::string& name, const std::shared_ptr<torch::nn::Module>& m,
-                       std::vector<std::string>& problems);
   bool is_skipped(const std::string& name, const torch::nn::Module& m) const;
-  std::vector<impl::ModuleProblem> check_observed() const;
-  void refresh_wanted();
 
   TorchOptions torch_options_;
-  at::ScalarType dtype_ = at::ScalarType::Undefined;
-  std::unique_ptr<impl::TorchBackend> backend_;
-  std::vector<Entry> entries_;
-  std::vector<std::string> skipped_;
-  std::vector<std::string> frozen_;
+  std::unique_ptr<impl::TorchCore> core_;
+  std::vector<const torch::nn::Module*> registered_;  ///< in the order of core_->captures()
 };
 
 }  // namespace adapters

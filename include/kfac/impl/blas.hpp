@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "kfac/error.hpp"
 #include "kfac/impl/math.hpp"
@@ -36,8 +37,14 @@ namespace impl {
 inline int lapack_syevd(int n, double* a, int ld, double* w) {
   return LAPACKE_dsyevd(LAPACK_COL_MAJOR, 'V', 'U', n, a, ld, w);
 }
+/// LAPACKE_ssyevd's own workspace query hands the size back as a float, which rounds it below
+/// what ssyevd needs once 1 + 6n + 2n^2 passes 2^24 (n = 6273 failed with info = -9): the
+/// documented minimum sizes are passed instead.
 inline int lapack_syevd(int n, float* a, int ld, float* w) {
-  return LAPACKE_ssyevd(LAPACK_COL_MAJOR, 'V', 'U', n, a, ld, w);
+  const lapack_int lwork = 1 + 6 * lapack_int(n) + 2 * lapack_int(n) * lapack_int(n), liwork = 3 + 5 * lapack_int(n);
+  std::vector<float> work(std::size_t(lwork > 0 ? lwork : 1));
+  std::vector<lapack_int> iwork(static_cast<std::size_t>(liwork));
+  return LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'U', n, a, ld, w, work.data(), lwork, iwork.data(), liwork);
 }
 inline int lapack_potrf(int n, double* a, int ld) { return LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', n, a, ld); }
 inline int lapack_potrf(int n, float* a, int ld) { return LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', n, a, ld); }

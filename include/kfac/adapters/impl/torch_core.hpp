@@ -1,0 +1,535 @@
+#pragma once
+/// \file torch_core.hpp
+/// \brief The PyTorch adapters' shared core: one translation of modules to kfac layers and one
+/// precondition() protocol, used by both front ends — the C++ `TorchPreconditioner`
+/// (kfac/adapters/torch.hpp, modules seen through `observed()`) and the Python package
+/// (python/, modules seen through forward-pre and full-backward hooks).
+///
+/// A front end describes each module that owns parameters as a TorchModuleSpec (what it is, its
+/// settings, its parameter tensors, whether its skip list matched it); TorchCore checks them all,
+/// names every module it cannot handle in one kfac::Error, picks the Preconditioner's Scalar from
+/// the parameters' dtype, registers the layers, and keeps one TorchCapture per module into which
+/// the front end's hooks record inputs and output gradients. Included by torch.hpp after
+/// TorchOptions; not a header of its own for users.
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kfac {
+namespace impl {
+
+enum class TorchKind { dense, conv2d, batch_norm };
+
+/// \brief The inversion a Linear or Conv2d module gets (BatchNorm2d always gets UnitWiseFisher).
+enum class TorchMethod {
+  eigen,    ///< KFAC<> (eigendecompositions; damping added to the eigenvalue products)
+  inverse,  ///< KFAC<Symmetric, Cholesky<>> (explicit inverses; factored damping)
+  ngsgd,    ///< NGSGD (Kaldi's online natural gradient, its defaults; docs/ngsgd.md)
+};
+
+/// \brief The wording of one front end in the core's error messages.
+struct TorchFrontEnd {
+  const char* preconditioner;  ///< "TorchPreconditioner"
+  const char* types;           ///< the supported module types as the user spells them
+  const char* skip_hint;       ///< how to leave a module to the optimizer alone
+  const char* accumulation;    ///< the name of the accumulation setting
+  const char* not_observed;    ///< why a module was not observed
+  const char* token_hint;      ///< how to choose a token reduction
+};
+
+/// \brief One module that owns parameters, as a front end found it.
+struct TorchModuleSpec {
+  enum class Type { linear, conv2d, batch_norm, other };
+  std::string name;       ///< path in the model ("features.0"; "root" for the model itself)
+  std::string type_name;  ///< the type as the front end spells it ("torch::nn::Conv2d", "torch.nn.Conv2d")
+  Type type = Type::other;
+  bool skipped = false;     ///< matched by the front end's skip list
+  bool all_frozen = false;  ///< every parameter it owns has requires_grad = false
+  TorchMethod method = TorchMethod::eigen;
+  bool pi_damping = true;  ///< TorchMethod::inverse: π-damping (else π = 1)
+  at::Tensor weight, bias;  ///< undefined when absent
+  int64_t in_features = 0, out_features = 0;                      ///< Linear
+  int64_t in_channels = 0, out_channels = 0, groups = 1;          ///< Conv2d
+  std::array<int64_t, 2> kernel{{1, 1}}, stride{{1, 1}}, dilation{{1, 1}}, padding{{0, 0}};
+  bool padding_same = false;
+  std::string padding_mode = "zeros";
+  int64_t num_features = 0;  ///< BatchNorm2d
+  double eps = 1e-5;
+};
+
+/// What a front end records for one registered module between two precondition() calls.
+struct TorchCapture {
+  std::string name;
+  TorchKind kind = TorchKind::dense;
+  adapters::TokenReduction tokens = adapters::TokenReduction::none;
+  const TorchFrontEnd* front = nullptr;
+  double bn_eps = 1e-5;
+  bool wanted = true;   ///< the next step updates this module's statistics
+  long generation = 0;  ///< bumped when the observations are dropped; stale hooks then do nothing
+  std::mutex mutex;     ///< hooks may run on autograd's threads
+  std::vector<at::Tensor> inputs, grads;  ///< per call: the input kfac sees, its output gradient
+  std::vector<long> tokens_per_row;       ///< per call: T for TokenReduction::reduce, else 1
+
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex);
+    inputs.clear();
+    grads.clear();
+    tokens_per_row.clear();
+    ++generation;
+  }
+  /// \brief Records one call's input (already as kfac sees it); returns its slot.
+  std::size_t add_input(at::Tensor seen, long tokens_per) {
+    std::lock_guard<std::mutex> lock(mutex);
+    inputs.push_back(std::move(seen));
+    grads.emplace_back();
+    tokens_per_row.push_back(tokens_per);
+    return inputs.size() - 1;
+  }
+  /// \brief The output gradient of the call in `slot`, recorded in `generation`.
+  void set_grad(std::size_t slot, long gen, const at::Tensor& g) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (generation == gen && slot < grads.size()) grads[slot] = g.detach();
+  }
+  /// \brief The output gradient of the latest call still waiting for one (a module's backward
+  /// hooks fire in the reverse order of its calls within one graph). False when none waits.
+  bool set_latest_grad(const at::Tensor& g) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = grads.size(); i-- > 0;)
+      if (!grads[i].defined()) {
+        grads[i] = g.detach();
+        return true;
+      }
+    return false;
+  }
+};
+
+inline std::string torch_shape(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + ")";
+}
+
+inline std::string torch_device_problem(const at::Tensor& t, const char* what) {
+  if (!t.defined() || t.device().is_cpu()) return {};
+  return std::string(what) + " is on " + t.device().str() +
+         "; kfac's PyTorch adapters work on CPU tensors only (Debian's PyTorch is CPU-only)";
+}
+
+struct ModuleProblem {
+  std::string name, why;
+};
+/// One problem: an Error naming the module; several: one Error naming each of them.
+inline void throw_module_problems(const std::vector<ModuleProblem>& problems, const std::string& what) {
+  if (problems.size() == 1) throw Error(problems.front().name, problems.front().why);
+  if (problems.empty()) return;
+  std::string all = what + ": ";
+  for (std::size_t i = 0; i < problems.size(); ++i)
+    all += (i ? "; " : "") + ("'" + problems[i].name + "' " + problems[i].why);
+  throw Error("", all);
+}
+
+/// What kfac sees of one call's input: the input itself (Linear, Conv2d), reduced over tokens
+/// (Linear on sequences), or the normalized input x̂ (BatchNorm2d). No copy unless a reduction
+/// or x̂ needs one.
+inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x, long& tokens) {
+  tokens = 1;
+  const std::string dev = torch_device_problem(x, "the input");
+  if (!dev.empty()) throw Error(c.name, dev);
+  const at::Tensor xd = x.detach();
+  switch (c.kind) {
+    case TorchKind::dense: {
+      if (xd.dim() == 2) return xd;
+      if (xd.dim() < 2) throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batch dimension (batch, in)");
+      const int64_t in = xd.size(-1);
+      switch (c.tokens) {
+        case adapters::TokenReduction::none:
+          throw Error(c.name, "input has shape " + torch_shape(xd) + " (a sequence: batch, tokens, ..., in); " + c.front->token_hint);
+        case adapters::TokenReduction::expand: return xd.reshape({-1, in});
+        case adapters::TokenReduction::reduce: {
+          const at::Tensor seq = xd.reshape({xd.size(0), -1, in});
+          tokens = long(seq.size(1));
+          return seq.mean(1);
+        }
+      }
+      break;
+    }
+    case TorchKind::conv2d:
+      if (xd.dim() != 4) throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batched (N, C, H, W) input");
+      return xd;
+    case TorchKind::batch_norm: {
+      if (xd.dim() != 4) throw Error(c.name, "input has shape " + torch_shape(xd) + ", expected (N, C, H, W)");
+      // Training mode normalizes with the batch mean and the biased batch variance.
+      const at::Tensor mean = xd.mean({0, 2, 3}, /*keepdim=*/true);
+      const at::Tensor var = xd.var({0, 2, 3}, /*unbiased=*/false, /*keepdim=*/true);
+      return (xd - mean) * torch::rsqrt(var + c.bn_eps);
+    }
+  }
+  return xd;
+}
+
+/// The output gradient as kfac sees it, reduced like the call's input.
+inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g, long tokens) {
+  if (c.kind != TorchKind::dense || g.dim() == 2) return g;
+  const int64_t out = g.size(-1);
+  if (c.tokens == adapters::TokenReduction::expand) return g.reshape({-1, out});
+  return g.reshape({g.size(0), tokens, out}).sum(1);
+}
+
+/// The type-erased Preconditioner: one implementation per Scalar (float, double) and communicator.
+class TorchBackend {
+ public:
+  virtual ~TorchBackend() = default;
+  virtual void add(const std::string& name, const Dense& l, TorchMethod m, bool pi) = 0;
+  virtual void add(const std::string& name, const Conv2d& l, TorchMethod m, bool pi) = 0;
+  virtual void add(const std::string& name, const BatchNorm2d& l) = 0;
+  virtual bool wants_observations() const = 0;
+  virtual bool wants_observations(const std::string& name) const = 0;
+  virtual bool is_skipped(const std::string& name) const = 0;
+  /// Tensors contiguous, of the backend's dtype, rank 2 or 4.
+  virtual void observe(const std::string& name, const at::Tensor& x, const at::Tensor& g) = 0;
+  /// `b` undefined for a layer without bias.
+  virtual void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) = 0;
+  virtual void step() = 0;
+  virtual long step_count() const = 0;
+  virtual double last_kl_scale() const = 0;
+  virtual const Options& options() const = 0;
+  /// The maximum of `v` over the ranks (v itself in a serial run).
+  virtual long agree_max(long v) const = 0;
+  /// The Preconditioner's checkpoint (save()/load()) as bytes.
+  virtual std::string save() const = 0;
+  virtual bool load(const std::string& bytes) = 0;
+};
+
+using TorchExec = Kokkos::DefaultHostExecutionSpace;
+
+template <class Scalar, class Comm>
+class TorchBackendOf final : public TorchBackend {
+ public:
+  using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
+  TorchBackendOf(Options o, Comm comm) : pre_(std::move(o), TorchExec{}, std::move(comm)) {}
+
+  void add(const std::string& name, const Dense& l, TorchMethod m, bool pi) override { add_kronecker(name, l, m, pi); }
+  void add(const std::string& name, const Conv2d& l, TorchMethod m, bool pi) override { add_kronecker(name, l, m, pi); }
+  void add(const std::string& name, const BatchNorm2d& l) override { pre_.register_layer(name, l); }
+  bool wants_observations() const override { return pre_.wants_observations(); }
+  bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
+  bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
+  void observe(const std::string& name, const at::Tensor& x, const at::Tensor& g) override {
+    const Scalar* xp = x.data_ptr<Scalar>();
+    const Scalar* gp = g.data_ptr<Scalar>();
+    if (x.dim() == 4) pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1), n(x, 2), n(x, 3)));
+    else pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1)));
+    if (g.dim() == 4) pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1), n(g, 2), n(g, 3)));
+    else pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1)));
+  }
+  void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) override {
+    const auto bias = b.defined() ? adapters::from_raw(b.data_ptr<Scalar>(), n(b, 0))
+                                  : adapters::from_raw(static_cast<Scalar*>(nullptr), 0);
+    Scalar* wp = w.data_ptr<Scalar>();
+    if (w.dim() == 4) pre_.set_gradient(name, adapters::from_raw(wp, n(w, 0), n(w, 1), n(w, 2), n(w, 3)), bias);
+    else if (w.dim() == 2) pre_.set_gradient(name, adapters::from_raw(wp, n(w, 0), n(w, 1)), bias);
+    else pre_.set_gradient(name, adapters::from_raw(wp, n(w, 0)), bias);
+  }
+  void step() override { pre_.step(); }
+  long step_count() const override { return pre_.step_count(); }
+  double last_kl_scale() const override { return pre_.last_kl_scale(); }
+  const Options& options() const override { return pre_.options(); }
+  long agree_max(long v) const override { return pre_.communicator().allreduce_max(v); }
+  std::string save() const override {
+    std::ostringstream os;
+    pre_.save(os);
+    return os.str();
+  }
+  bool load(const std::string& bytes) override {
+    std::istringstream is(bytes);
+    return pre_.load(is);
+  }
+
+  preconditioner_type& preconditioner() { return pre_; }
+
+ private:
+  template <class Layer>
+  void add_kronecker(const std::string& name, const Layer& l, TorchMethod m, bool pi) {
+    if (m == TorchMethod::eigen) pre_.register_layer(name, l);
+    else if (m == TorchMethod::inverse) pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{Cholesky<>{}.with_pi_damping(pi)});
+    else pre_.register_layer(name, l, NGSGD{});
+  }
+  static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
+  preconditioner_type pre_;
+};
+
+/// \brief The shared core of both front ends: translation, registration, the precondition()
+/// protocol. The front end owns the hooks that fill captures().
+class TorchCore {
+ public:
+  /// \brief Translates every spec (all problems in one kfac::Error), then registers the layers
+  /// with a Preconditioner whose Scalar is the parameters' dtype. `make_backend(dtype, options)`
+  /// builds it (the front end chooses the communicator).
+  template <class MakeBackend>
+  TorchCore(const std::vector<TorchModuleSpec>& specs, Options options, adapters::TokenReduction tokens,
+            long accumulation_steps, const TorchFrontEnd& front, MakeBackend&& make_backend);
+
+  /// \brief Preconditions every registered module's parameter gradients in place, after the
+  /// checks (see TorchPreconditioner::precondition()); drops the observations either way.
+  void precondition();
+
+  const std::vector<std::shared_ptr<TorchCapture>>& captures() const { return captures_; }
+  std::vector<std::string> modules() const;
+  const std::vector<std::string>& skipped() const { return skipped_; }
+  const std::vector<std::string>& frozen() const { return frozen_; }
+  at::ScalarType dtype() const { return dtype_; }
+  TorchBackend& backend() const { return *backend_; }
+  long accumulation_steps() const { return accumulation_steps_; }
+
+ private:
+  struct Entry {
+    std::string name;
+    at::Tensor weight, bias;  ///< the parameters (their .grad() is preconditioned)
+  };
+  std::vector<ModuleProblem> check_observed() const;
+  void refresh_wanted();
+
+  const TorchFrontEnd* front_;
+  long accumulation_steps_;
+  at::ScalarType dtype_ = at::ScalarType::Undefined;
+  std::unique_ptr<TorchBackend> backend_;
+  std::vector<Entry> entries_;
+  std::vector<std::shared_ptr<TorchCapture>> captures_;  ///< one per entry
+  std::vector<std::string> skipped_;
+  std::vector<std::string> frozen_;
+};
+
+/// \brief The kfac layer of one spec, or the reason it has none (appended to `problems`).
+struct TorchTranslation {
+  TorchKind kind = TorchKind::dense;
+  std::optional<Dense> dense;
+  std::optional<Conv2d> conv;
+  std::optional<BatchNorm2d> bn;
+};
+
+inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s, const TorchFrontEnd& front,
+                                                       std::string& problem) {
+  TorchTranslation t;
+  switch (s.type) {
+    case TorchModuleSpec::Type::linear:
+      t.dense.emplace(index_t(s.in_features), index_t(s.out_features), s.bias.defined());
+      return t;
+    case TorchModuleSpec::Type::conv2d: {
+      if (s.groups != 1) {
+        problem = s.groups == s.in_channels
+                      ? "depthwise convolutions (groups = in_channels = " + std::to_string(s.groups) + ") are not supported"
+                      : "grouped convolutions (groups = " + std::to_string(s.groups) + ") are not supported";
+        return std::nullopt;
+      }
+      if (s.padding_mode != "zeros") {
+        problem = "only zero padding is supported (padding_mode " + s.padding_mode + ")";
+        return std::nullopt;
+      }
+      std::array<int64_t, 2> pad = s.padding;
+      if (s.padding_same)
+        for (int i = 0; i < 2; ++i) {
+          const int64_t total = s.dilation[i] * (s.kernel[i] - 1);
+          if (total % 2 != 0) {
+            problem = "padding 'same' with an even dilated kernel pads asymmetrically; kfac supports symmetric padding only";
+            return std::nullopt;
+          }
+          pad[i] = total / 2;
+        }
+      t.kind = TorchKind::conv2d;
+      t.conv.emplace(index_t(s.in_channels), index_t(s.out_channels), index_t(s.kernel[0]), index_t(s.kernel[1]));
+      t.conv->with_stride(index_t(s.stride[0]), index_t(s.stride[1])).with_padding(index_t(pad[0]), index_t(pad[1]))
+          .with_dilation(index_t(s.dilation[0]), index_t(s.dilation[1])).with_bias(s.bias.defined());
+      return t;
+    }
+    case TorchModuleSpec::Type::batch_norm:
+      t.kind = TorchKind::batch_norm;
+      t.bn.emplace(index_t(s.num_features));
+      return t;
+    case TorchModuleSpec::Type::other: break;
+  }
+  problem = std::string("owns parameters but kfac has no layer type for it (supported: ") + front.types + "); " +
+            front.skip_hint;
+  return std::nullopt;
+}
+
+template <class MakeBackend>
+TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options, adapters::TokenReduction tokens,
+                     long accumulation_steps, const TorchFrontEnd& front, MakeBackend&& make_backend)
+    : front_(&front), accumulation_steps_(accumulation_steps) {
+  if (accumulation_steps < 1)
+    throw Error("", std::string(front.accumulation) + " must be >= 1 (got " + std::to_string(accumulation_steps) + ")");
+  struct Found {
+    const TorchModuleSpec* spec;
+    TorchTranslation layer;
+  };
+  std::vector<Found> found;
+  std::vector<ModuleProblem> problems;
+  for (const TorchModuleSpec& s : specs) {
+    if (s.skipped) {
+      skipped_.push_back(s.name + " (" + s.type_name + ", skip list)");
+      continue;
+    }
+    // Frozen (kfac-pytorch skips them too): nothing for the optimizer to update, nothing to precondition.
+    if (s.all_frozen) {
+      skipped_.push_back(s.name + " (" + s.type_name + ", frozen: requires_grad = false)");
+      frozen_.push_back(s.name);
+      continue;
+    }
+    auto problem = [&](const std::string& why) { problems.push_back({s.name, "(" + s.type_name + ") " + why}); };
+    std::string why;
+    std::optional<TorchTranslation> t = torch_translate(s, front, why);
+    if (!t) {
+      problem(why);
+      continue;
+    }
+    const bool weight_frozen = !s.weight.requires_grad();
+    if (s.bias.defined() && weight_frozen != !s.bias.requires_grad()) {
+      problem(std::string("its ") + (weight_frozen ? "weight" : "bias") + " is frozen (requires_grad = false) but its " +
+              (weight_frozen ? "bias" : "weight") + " is not; freeze both, or " + front.skip_hint);
+      continue;
+    }
+    for (const at::Tensor* p : {&s.weight, &s.bias}) {  // the first problem of the module only
+      const std::string dev = torch_device_problem(*p, "a parameter");
+      if (!dev.empty()) why = dev;
+      else if (p->defined() && p->scalar_type() != at::kFloat && p->scalar_type() != at::kDouble)
+        why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + "; kfac supports float32 and float64";
+      else if (p->defined() && dtype_ != at::ScalarType::Undefined && p->scalar_type() != dtype_)
+        why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + " where the other modules' are " +
+              c10::toString(dtype_) + "; one model, one dtype";
+      else if (p->defined()) dtype_ = p->scalar_type();
+      if (!why.empty()) break;
+    }
+    if (!why.empty()) {
+      problem(why);
+      continue;
+    }
+    found.push_back({&s, std::move(*t)});
+  }
+  throw_module_problems(problems, "modules kfac cannot handle");
+  if (found.empty())
+    throw Error("", std::string("the model has no ") + front.types + " module to precondition");
+
+  backend_ = make_backend(dtype_, std::move(options));
+  for (const Found& f : found) {
+    const TorchModuleSpec& s = *f.spec;
+    if (f.layer.dense) backend_->add(s.name, *f.layer.dense, s.method, s.pi_damping);
+    else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method, s.pi_damping);
+    else backend_->add(s.name, *f.layer.bn);
+    auto capture = std::make_shared<TorchCapture>();
+    capture->name = s.name;
+    capture->kind = f.layer.kind;
+    capture->tokens = tokens;
+    capture->front = front_;
+    capture->bn_eps = s.eps;
+    captures_.push_back(capture);
+    entries_.push_back({s.name, s.weight, s.bias});
+  }
+  refresh_wanted();
+}
+
+inline std::vector<std::string> TorchCore::modules() const {
+  std::vector<std::string> v;
+  for (const auto& e : entries_) v.push_back(e.name);
+  return v;
+}
+
+inline std::vector<ModuleProblem> TorchCore::check_observed() const {
+  std::vector<ModuleProblem> missing;
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    const TorchCapture& c = *captures_[i];
+    if (backend_->is_skipped(c.name)) continue;
+    std::string why;
+    const long k = accumulation_steps_;
+    if (!e.weight.requires_grad())
+      why = std::string("its parameters were frozen (requires_grad = false) after the ") + front_->preconditioner +
+            " was built; build a new one (frozen modules are skipped at construction)";
+    else if (!e.weight.grad().defined()) why = "its parameters have no gradient (was backward() run through it?)";
+    else if (!torch_device_problem(e.weight.grad(), "its gradient").empty())
+      why = torch_device_problem(e.weight.grad(), "its gradient");
+    else if (c.wanted && c.inputs.empty())
+      why = std::string("not observed: ") + front_->not_observed;
+    else if (c.wanted && long(c.inputs.size()) % k != 0)
+      why = "observed " + std::to_string(c.inputs.size()) + " times, not a multiple of " + front_->accumulation + " = " +
+            std::to_string(k) + " (one call per micro-batch, or the same number of calls in each)";
+    else if (c.wanted)
+      for (std::size_t j = 0; j < c.grads.size() && why.empty(); ++j)
+        if (!c.grads[j].defined())
+          why = "the output gradient of call " + std::to_string(j + 1) + " of " + std::to_string(c.grads.size()) +
+                " never arrived (no backward() through that output since the forward?)";
+    if (!why.empty()) missing.push_back({c.name, why});
+  }
+  return missing;
+}
+
+inline void TorchCore::refresh_wanted() {
+  for (auto& c : captures_) {
+    c->clear();
+    c->wanted = !backend_->is_skipped(c->name) && backend_->wants_observations(c->name);
+  }
+}
+
+inline void TorchCore::precondition() {
+  struct Dropper {  // the observations are dropped however this ends
+    TorchCore& self;
+    ~Dropper() { self.refresh_wanted(); }
+  } dropper{*this};
+  // Everything that can fail is checked before kfac sees anything, so that a bad value leaves
+  // no observation pending in kfac; and agreed on over the ranks, so that no rank waits in a
+  // collective for one that threw.
+  std::vector<ModuleProblem> problems = check_observed();
+  auto as_kfac = [&](at::Tensor t) { return (t.scalar_type() == dtype_ ? t : t.to(dtype_)).contiguous(); };
+  // Each micro-batch's loss was divided by k: its output gradients are 1/k of the per-sample
+  // ones kfac's loss reduction expects (G would come out k^2 too small).
+  const long k = accumulation_steps_;
+  auto output_grad = [&](const at::Tensor& g) { return k == 1 ? as_kfac(g) : as_kfac(g * double(k)); };
+  const bool check_finite = backend_->options().nonfinite == NonFinitePolicy::raise;
+  struct Observation {
+    const std::string* name;
+    at::Tensor x, g;
+  };
+  std::vector<Observation> observations;
+  for (const auto& cp : captures_) {
+    const TorchCapture& c = *cp;
+    if (!c.wanted || !problems.empty()) continue;
+    for (std::size_t i = 0; i < c.inputs.size(); ++i) {
+      Observation o{&c.name, as_kfac(c.inputs[i]), output_grad(torch_output_grad(c, c.grads[i], c.tokens_per_row[i]))};
+      if (check_finite && !torch::isfinite(o.x).all().item<bool>())
+        problems.push_back({c.name, "non-finite values (NaN/Inf) in its input; nothing was preconditioned"});
+      else if (check_finite && !torch::isfinite(o.g).all().item<bool>())
+        problems.push_back({c.name, "non-finite values (NaN/Inf) in its output gradient; nothing was preconditioned"});
+      observations.push_back(std::move(o));
+    }
+  }
+  const long step = backend_->step_count();
+  const long anywhere = backend_->agree_max(problems.empty() ? 0 : 1);
+  throw_module_problems(problems, "modules not ready at step " + std::to_string(step));
+  if (anywhere) throw Error("", "another rank's modules were not ready at step " + std::to_string(step) +
+                                    " (its error names them); nothing was preconditioned");
+  for (const auto& o : observations) backend_->observe(*o.name, o.x, o.g);
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (the .grad(), kfac's contiguous copy)
+  for (const auto& e : entries_) {
+    if (backend_->is_skipped(e.name)) continue;
+    at::Tensor w = e.weight.grad(), b = e.bias.defined() ? e.bias.grad() : at::Tensor();
+    if (e.bias.defined() && !b.defined()) {  // a bias without a gradient counts as 0
+      at::Tensor bias = e.bias;
+      b = bias.mutable_grad() = torch::zeros_like(bias);
+    }
+    at::Tensor kw = as_kfac(w), kb = b.defined() ? as_kfac(b) : b;
+    if (kw.data_ptr() != w.data_ptr()) copy_back.emplace_back(w, kw);
+    if (b.defined() && kb.data_ptr() != b.data_ptr()) copy_back.emplace_back(b, kb);
+    backend_->set_gradient(e.name, kw, kb);
+  }
+  backend_->step();
+  torch::NoGradGuard no_grad;
+  for (auto& [grad, copy] : copy_back) grad.copy_(copy);
+}
+
+}  // namespace impl
+}  // namespace kfac

@@ -1,0 +1,472 @@
+"""kfac.KFACPreconditioner: kfac-pytorch's interface over kfac's C++ core (docs/python.md)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import warnings
+import weakref
+from typing import Any
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from kfac import _kfac
+from kfac.enums import AssignmentStrategy
+from kfac.enums import ComputeMethod
+from kfac.enums import DistributedStrategy
+
+logger = logging.getLogger(__name__)
+
+_HYPERPARAMETERS = (
+    'factor_update_steps',
+    'inv_update_steps',
+    'damping',
+    'factor_decay',
+    'kl_clip',
+    'lr',
+)
+
+
+def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def _type_name(module: torch.nn.Module) -> str:
+    """'torch.nn.Conv2d' for PyTorch's own modules, 'package.module.Class' for others."""
+    cls = type(module)
+    where = 'torch.nn' if cls.__module__.startswith('torch.nn.modules.') else cls.__module__
+    return f'{where}.{cls.__qualname__}'
+
+
+def _describe(name: str, module: torch.nn.Module) -> dict[str, Any]:
+    """What kfac's shared translation needs to know of one module owning parameters."""
+    d: dict[str, Any] = {
+        'name': name,
+        'type_name': _type_name(module),
+        'type': 'other',
+        'all_frozen': not any(p.requires_grad for p in _own_parameters(module)),
+        'weight': getattr(module, 'weight', None),
+        'bias': getattr(module, 'bias', None),
+    }
+    # Exact types: a subclass may change what forward computes.
+    if type(module) is torch.nn.Linear:
+        d.update(type='linear', in_features=module.in_features, out_features=module.out_features)
+    elif type(module) is torch.nn.Conv2d:
+        d.update(
+            type='conv2d',
+            in_channels=module.in_channels,
+            out_channels=module.out_channels,
+            groups=module.groups,
+            kernel_size=tuple(module.kernel_size),
+            stride=tuple(module.stride),
+            dilation=tuple(module.dilation),
+            padding=module.padding if isinstance(module.padding, str) else tuple(module.padding),
+            padding_mode=module.padding_mode,
+        )
+    elif type(module) is torch.nn.BatchNorm2d and module.affine:
+        d.update(type='batch_norm', num_features=module.num_features, eps=module.eps)
+    if not isinstance(d['weight'], torch.Tensor):
+        d['weight'] = None
+    if not isinstance(d['bias'], torch.Tensor):
+        d['bias'] = None
+    return d
+
+
+def _value(v: Any, step: int) -> Any:
+    return v(step) if callable(v) else v
+
+
+class KFACPreconditioner:
+    """K-FAC preconditioning of a PyTorch model's gradients, by kfac's C++ core.
+
+    Every argument kfac-pytorch's ``kfac.preconditioner.KFACPreconditioner`` takes is accepted
+    with the same meaning (see docs/python.md for where kfac's conventions differ: the scaling
+    of the factors and the damping forms); then kfac's own settings.
+
+    Example:
+        >>> preconditioner = kfac.KFACPreconditioner(model, factor_update_steps=10)
+        >>> loss.backward()
+        >>> preconditioner.step()   # rewrites the registered modules' .grad in place
+        >>> optimizer.step()
+
+    Args (kfac-pytorch's):
+        model: the model; its Linear, Conv2d and affine BatchNorm2d modules are registered.
+        factor_update_steps, inv_update_steps: intervals (int, or callable of the step).
+        damping, factor_decay, kl_clip, lr: floats or callables of the step; kl_clip None
+            disables the KL clipping.
+        accumulation_steps: forward/backward passes per step(), each loss divided by it.
+        allreduce_bucket_cap_mb: bound of one factor-averaging collective (0: 1 byte buckets).
+        assignment_strategy: AssignmentStrategy or 'compute' / 'memory'.
+        colocate_factors: decompose a layer's A and G on the same rank.
+        compute_method: ComputeMethod or 'eigen' / 'inverse'.
+        compute_eigenvalue_outer_product: store 1 / (outer(dG, dA) + damping) once per
+            decomposition (kfac's precompute_reciprocal).
+        grad_worker_fraction: DistributedStrategy or a fraction in [0, 1].
+        symmetry_aware: accepted; kfac always communicates packed triangles.
+        grad_scaler: torch.cuda.amp.GradScaler or a callable returning the loss scale; output
+            gradients are divided by it.
+        factor_dtype, inv_dtype: accepted; kfac keeps factors and decompositions in the
+            parameters' dtype (float32 or float64).
+        skip_layers: regular expressions searched in each module's name and class name; a
+            pattern matching no module of the model is a ValueError.
+        update_factors_in_hook: accepted; kfac folds the statistics in step().
+        loglevel: level of the registration log lines.
+
+    Args (kfac's own):
+        methods: {regex: 'eigen' | 'inverse' | 'ngsgd'} per Linear/Conv2d module name (first
+            match wins), over compute_method; 'ngsgd' is Kaldi's online natural gradient.
+        pi_damping: with 'inverse', pi-damping (Martens & Grosse 2015, section 6.3) instead of
+            the same damping on both factors.
+        loss_reduction: 'mean' (default; the loss is a mean over the batch) or 'sum'.
+        nonfinite: 'raise' (default) or 'skip' (a step with NaN/Inf changes nothing).
+        decomposition_delay: decompositions of step s used from step s + d.
+        token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in).
+        mpi_comm: an mpi4py communicator: kfac's factors are averaged over it (instead of
+            torch.distributed's default group); the gradients are averaged by the caller.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        factor_update_steps: Callable[[int], int] | int = 1,
+        inv_update_steps: Callable[[int], int] | int = 1,
+        damping: Callable[[int], float] | float = 0.001,
+        factor_decay: Callable[[int], float] | float = 0.95,
+        kl_clip: Callable[[int], float] | float | None = 0.001,
+        lr: Callable[[int], float] | float = 0.1,
+        accumulation_steps: int = 1,
+        allreduce_bucket_cap_mb: float = 25.0,
+        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool = True,
+        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
+        compute_eigenvalue_outer_product: bool = True,
+        grad_worker_fraction: DistributedStrategy | float = DistributedStrategy.COMM_OPT,
+        symmetry_aware: bool = False,
+        grad_scaler: Any = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype = torch.float32,
+        skip_layers: list[str] | str | None = None,
+        update_factors_in_hook: bool = True,
+        loglevel: int = logging.DEBUG,
+        methods: dict[str, str] | None = None,
+        pi_damping: bool = False,
+        loss_reduction: str = 'mean',
+        nonfinite: str = 'raise',
+        decomposition_delay: int = 0,
+        token_reduction: str = 'none',
+        mpi_comm: Any = None,
+    ) -> None:
+        self._check(factor_update_steps, 'factor_update_steps', lambda v: v > 0, 'must be > 0')
+        self._check(inv_update_steps, 'inv_update_steps', lambda v: v > 0, 'must be > 0')
+        self._check(damping, 'damping', lambda v: v > 0, 'must be > 0')
+        self._check(factor_decay, 'factor_decay', lambda v: 0 <= v < 1, 'must be in [0, 1) (kfac: 1 would never update)')
+        self._check(kl_clip, 'kl_clip', lambda v: v is None or v > 0, 'must be > 0 (None: no clipping)')
+        self._check(lr, 'lr', lambda v: v > 0, 'must be > 0')
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError('accumulation_steps must be > 0')
+        if allreduce_bucket_cap_mb < 0:
+            raise ValueError('allreduce_bucket_cap_mb must be >= 0')
+        if (
+            not callable(inv_update_steps)
+            and not callable(factor_update_steps)
+            and inv_update_steps % factor_update_steps != 0
+        ):
+            warnings.warn(
+                'It is suggested that inv_update_steps be an integer multiple of factor_update_steps',
+                stacklevel=2,
+            )
+        if isinstance(assignment_strategy, str):
+            assignment_strategy = AssignmentStrategy[assignment_strategy.upper()]
+        if isinstance(compute_method, str):
+            compute_method = ComputeMethod[compute_method.upper()]
+        distributed = mpi_comm is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        world = mpi_comm.Get_size() if mpi_comm is not None else dist.get_world_size() if distributed else 1
+        if mpi_comm is not None and not _kfac.has_mpi():
+            raise ValueError('mpi_comm: this kfac was built without MPI (KFAC_ENABLE_MPI)')
+        if isinstance(grad_worker_fraction, DistributedStrategy):
+            fraction = {
+                DistributedStrategy.COMM_OPT: 1.0,
+                DistributedStrategy.HYBRID_OPT: 0.5,
+                DistributedStrategy.MEM_OPT: 1.0 / world,
+            }[grad_worker_fraction]
+        else:
+            if not 0 <= grad_worker_fraction <= 1:
+                raise ValueError('grad_worker_fraction must in [0, 1]')
+            fraction = float(grad_worker_fraction) if grad_worker_fraction > 0 else 1.0 / world
+        fraction = max(fraction, 1.0 / world)
+
+        self.model = model
+        self.compute_method = compute_method
+        self.assignment_strategy = assignment_strategy
+        self.grad_worker_fraction = fraction
+        self.grad_scaler = grad_scaler
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.symmetry_aware = symmetry_aware
+        self.update_factors_in_hook = update_factors_in_hook
+        self._accumulation_steps = accumulation_steps
+        self._hyper = {
+            'factor_update_steps': factor_update_steps,
+            'inv_update_steps': inv_update_steps,
+            'damping': damping,
+            'factor_decay': factor_decay,
+            'kl_clip': kl_clip,
+            'lr': lr,
+        }
+        if isinstance(skip_layers, str):
+            skip_layers = [skip_layers]
+        self.skip_layers = list(skip_layers or [])
+
+        specs, modules = self._find_modules(model, methods or {}, compute_method, pi_damping)
+        settings: dict[str, Any] = {name: self._for_core(name, v) for name, v in self._hyper.items()}
+        settings.update(
+            accumulation_steps=accumulation_steps,
+            bucket_bytes=max(1, int(allreduce_bucket_cap_mb * 2**20)),
+            assignment_cost=assignment_strategy.name.lower(),
+            colocate_factors=colocate_factors,
+            precompute_reciprocal=bool(compute_eigenvalue_outer_product and compute_method == ComputeMethod.EIGEN),
+            grad_worker_fraction=fraction,
+            loss_reduction=loss_reduction,
+            nonfinite=nonfinite,
+            decomposition_delay=decomposition_delay,
+            token_reduction=token_reduction,
+            # torch.distributed's default group: kfac averages the factors over it (KAISA); the
+            # gradients are averaged by the user (DistributedDataParallel) before step().
+            process_group=dist.distributed_c10d._get_default_group() if distributed else None,
+            mpi_comm=mpi_comm if mpi_comm is not None and world > 1 else None,
+        )
+        self._core = _kfac.Core(specs, settings)
+        self._modules = [modules[name] for name in self._core.modules()]
+        self._handles: list[tuple[Any, Any] | None] = [None] * len(self._modules)
+        for name, module in zip(self._core.modules(), self._modules):
+            logger.log(loglevel, f'Registered name="{name}": {module!r}')
+        for skipped in self._core.skipped():
+            logger.log(loglevel, f'Skipped {skipped}')
+        self._sync_hooks()
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @staticmethod
+    def _check(v: Any, name: str, ok: Callable[[Any], bool], what: str) -> None:
+        if not callable(v) and not ok(v):
+            raise ValueError(f'{name} {what} (got {v})')
+
+    @staticmethod
+    def _for_core(name: str, v: Any) -> Any:
+        """A value as kfac's Options take it. kl_clip None (kfac-pytorch: no clipping) is kfac's 0.
+        An interval given as a callable f: kfac-pytorch updates at the steps s with
+        s % f(s) == 0, kfac at s + interval(s) after an update at s; the interval handed to kfac
+        is the distance to the next such step."""
+        if name == 'kl_clip':
+            if callable(v):
+                return lambda step: 0.0 if v(step) is None else float(v(step))
+            return 0.0 if v is None else v
+        if name in ('factor_update_steps', 'inv_update_steps') and callable(v):
+
+            @functools.lru_cache(maxsize=64)
+            def interval(step: int) -> int:
+                t = step + 1
+                while t % int(v(t)) != 0:
+                    t += 1
+                return t - step
+
+            return interval
+        return v
+
+    def _find_modules(
+        self,
+        model: torch.nn.Module,
+        methods: dict[str, str],
+        compute_method: ComputeMethod,
+        pi_damping: bool,
+    ) -> tuple[list[dict[str, Any]], dict[str, torch.nn.Module]]:
+        patterns = [re.compile(p) for p in self.skip_layers]
+        matched = [False] * len(patterns)
+        method_patterns = [(re.compile(p), m) for p, m in methods.items()]
+        specs, modules = [], {}
+        for raw_name, module in model.named_modules():
+            name = raw_name or 'root'
+            cls = type(module).__name__
+            hits = [bool(p.search(name) or p.search(cls)) for p in patterns]
+            matched = [a or b for a, b in zip(matched, hits)]
+            if not _own_parameters(module):
+                continue
+            d = _describe(name, module)
+            d['skipped'] = any(hits)
+            d['method'] = compute_method.name.lower()
+            for p, m in method_patterns:
+                if p.search(name):
+                    d['method'] = m
+                    break
+            d['pi_damping'] = pi_damping
+            specs.append(d)
+            modules[name] = module
+        unmatched = [p.pattern for p, m in zip(patterns, matched) if not m]
+        if unmatched:
+            raise ValueError(
+                f'skip_layers: {", ".join(repr(p) for p in unmatched)} matches no module name or class of the model',
+            )
+        return specs, modules
+
+    # ---- hooks: registered only while the next step updates a module's statistics -------------
+
+    def _sync_hooks(self) -> None:
+        for i, wanted in enumerate(self._core.wanted()):
+            handles = self._handles[i]
+            if wanted and handles is None:
+                self._handles[i] = self._register_hooks(i)
+            elif not wanted and handles is not None:
+                for h in handles:
+                    h.remove()
+                self._handles[i] = None
+
+    def _register_hooks(self, i: int) -> tuple[Any, Any]:
+        """The hooks hold the preconditioner weakly: one that is no longer referenced is freed
+        and its hooks removed (__del__), rather than kept alive by the model."""
+        ref = weakref.ref(self)
+
+        def save_input(module: torch.nn.Module, inputs: Any) -> None:
+            p = ref()
+            if p is not None:
+                p._save_input(i, module, inputs)
+
+        def save_grad_output(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+            p = ref()
+            if p is not None:
+                p._save_grad_output(i, module, grad_input, grad_output)
+
+        module = self._modules[i]
+        return module.register_forward_pre_hook(save_input), module.register_full_backward_hook(save_grad_output)
+
+    def remove_hooks(self) -> None:
+        """Removes every hook from the model (also done when the preconditioner is freed)."""
+        for i, handles in enumerate(getattr(self, '_handles', [])):
+            if handles is not None:
+                for h in handles:
+                    h.remove()
+                self._handles[i] = None
+
+    def __del__(self) -> None:
+        self.remove_hooks()
+
+    def _save_input(self, i: int, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._core.observe_input(i, inputs[0])
+
+    def _save_grad_output(self, i: int, module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+        if not module.training:
+            return
+        g = grad_output[0] if isinstance(grad_output, (tuple, list)) else grad_output
+        if self.grad_scaler is not None:
+            scale = self.grad_scaler() if callable(self.grad_scaler) else self.grad_scaler.get_scale()
+            g = g / scale
+        self._core.observe_output_grad(i, g)
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Preconditions the registered modules' .grad in place; call after backward() and
+        before optimizer.step(). Raises KFACError naming the modules that were not ready (then
+        nothing changed). (No torch.no_grad() needed: the core records no autograd graph; it
+        costs ~20 us a step.)"""
+        try:
+            self._core.precondition()
+        finally:
+            self._sync_hooks()
+
+    # ---- kfac-pytorch's properties -------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """The number of step() calls so far."""
+        return self._core.step_count()
+
+    @property
+    def damping(self) -> float:
+        return _value(self._hyper['damping'], self.steps)
+
+    @property
+    def factor_decay(self) -> float:
+        return _value(self._hyper['factor_decay'], self.steps)
+
+    @property
+    def kl_clip(self) -> float | None:
+        return _value(self._hyper['kl_clip'], self.steps)
+
+    @property
+    def lr(self) -> float:
+        return _value(self._hyper['lr'], self.steps)
+
+    @property
+    def factor_update_steps(self) -> int:
+        return _value(self._hyper['factor_update_steps'], self.steps)
+
+    @property
+    def inv_update_steps(self) -> int:
+        return _value(self._hyper['inv_update_steps'], self.steps)
+
+    # ---- kfac's own views ----------------------------------------------------------------------
+
+    def modules(self) -> list[str]:
+        """The registered module names, in model order."""
+        return self._core.modules()
+
+    def skipped(self) -> list[str]:
+        """Modules with parameters left out, with the reason (skip list, frozen)."""
+        return self._core.skipped()
+
+    def frozen(self) -> list[str]:
+        """The modules left out because every parameter had requires_grad = False."""
+        return self._core.frozen()
+
+    @property
+    def last_kl_scale(self) -> float:
+        """The KL-clip scale the last step() applied."""
+        return self._core.last_kl_scale()
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """The step count, the constant hyperparameters and (include_factors) kfac's checkpoint
+        (statistics, decompositions, schedules) as bytes under 'kfac'."""
+        state: dict[str, Any] = {'steps': self.steps}
+        for name, v in self._hyper.items():
+            if not callable(v):
+                state[name] = v
+        if include_factors:
+            state['kfac'] = self._core.save()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Restores a state_dict(); with kfac's checkpoint the next step() continues bit for bit
+        as the saved preconditioner would have (decompositions restored, not recomputed)."""
+        if 'kfac' not in state_dict:
+            if state_dict.get('steps', self.steps) != self.steps:
+                raise ValueError(
+                    'state_dict has no kfac checkpoint (state_dict(include_factors=False)); '
+                    "kfac's step counter lives in it",
+                )
+        for name in _HYPERPARAMETERS:
+            if name in state_dict:
+                self._hyper[name] = state_dict[name]
+                self._core.set_hyperparameter(name, self._for_core(name, state_dict[name]))
+        if 'kfac' in state_dict:
+            self._core.load(state_dict['kfac'])
+        self._sync_hooks()
+
+    def __repr__(self) -> str:
+        params = {name: self._hyper[name] for name in _HYPERPARAMETERS}
+        params.update(
+            accumulation_steps=self._accumulation_steps,
+            compute_method=self.compute_method,
+            grad_worker_fraction=self.grad_worker_fraction,
+            layers=len(self._modules),
+            skip_layers=self.skip_layers,
+            steps=self.steps,
+        )
+        body = '\n'.join(f'  {k}={v},' for k, v in sorted(params.items()))
+        return f'{type(self).__name__}(\n{body}\n)'
