@@ -255,8 +255,9 @@ TEST_CASE("memory_report of one Dense layer matches the documented formula", "[s
   // KroneckerLayer::memory(): factors (a^2 + g^2) * sizeof(Factor) (a + g for Diagonal);
   // eigendecomposition (a^2 + a + g^2 + g) * sizeof(Decomposition), plus g * a for a
   // precomputed reciprocal; workspace 3 g a * sizeof(Decomposition) (2 g a for Diagonal) plus,
-  // between observe and step, the pending Gram matrices, the size of the factors whatever the
-  // batch and the number of observations (issue 15: no longer batch * (a + g) rows).
+  // from the first observation on, the pending Gram matrices, the size of the factors whatever
+  // the batch and the number of observations (issue 15: no longer batch * (a + g) rows), kept
+  // after the step (issue 27: no step allocates them again).
   const int in = 5, out = 3, a = in + 1, g = out, batch = 4;
   const std::size_t d8 = sizeof(double), f4 = sizeof(float);
   auto run = [&](auto tag, auto prec, bool precompute, std::size_t factors,
@@ -284,8 +285,11 @@ TEST_CASE("memory_report of one Dense layer matches the documented formula", "[s
     r = pre.memory_report();
     CHECK(r[0].factor_bytes == factors);
     CHECK(r[0].decomposition_bytes == decomposition);
-    CHECK(r[0].workspace_bytes == workspace);
-    CHECK(r[0].total() == factors + decomposition + workspace);
+    CHECK(r[0].workspace_bytes == workspace + factors);  // the Gram matrices are kept
+    CHECK(r[0].total() == factors + decomposition + workspace + factors);
+    const DenseBatch next(in, out, true, batch, rng);  // the next step reuses them
+    next.feed(pre, "fc");
+    CHECK(pre.memory_report()[0].workspace_bytes == workspace + factors);
   };
   const std::size_t eig = std::size_t(a * a + a + g * g + g);
   SECTION("Symmetric, double") {

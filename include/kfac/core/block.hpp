@@ -176,7 +176,7 @@ class Block {
   virtual void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
                           double nu) = 0;
   virtual MemoryReport memory() const = 0;
-  /// What memory() will report after a step (no observations pending), computed from the
+  /// What memory() will report after a step (buffers kept between steps included), computed from the
   /// shapes without allocating: on a rank that holds the decompositions or not, for a skipped
   /// layer or not. The cost model reads this instead of restating the formula.
   virtual MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const = 0;

@@ -221,10 +221,10 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
              "; largest value " + std::to_string(impl::largest_value<F>()) + ")";
     return {};
   }
+  /// The pending Gram matrices are kept (their values are dead until the next step's first
+  /// observation overwrites them): allocating them again each step cost more than their syrk.
   void clear_observations() override {
     a_count_ = g_count_ = 0;
-    a_pending_ = PMatrix();  // released, so that memory_report() after a step shows none pending
-    g_pending_ = PMatrix();
     a_extents_.clear();
     g_extents_.clear();
     a_norm_ = g_norm_ = 0;
@@ -403,9 +403,10 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   /// for a precomputed reciprocal, 0 for Diagonal; workspace_bytes 2 g a sizeof(Decomposition)
   /// once a gradient was loaded (gradient in, preconditioned gradient out), plus g a for the
   /// intermediate product once this process preconditioned it (gradient workers; not Diagonal),
-  /// plus, between observe and step, the pending Gram matrices of the observations,
-  /// (a^2 + g^2) sizeof(Factor) ((a + g) for Diagonal; float for Half factors) whatever the
-  /// batch and their number.
+  /// plus, from the layer's first observation on, the pending Gram matrices of the
+  /// observations, (a^2 + g^2) sizeof(Factor) ((a + g) for Diagonal; float for Half factors)
+  /// whatever the batch and their number. They are kept between steps, also on steps without a
+  /// factor update, so that no step allocates them again.
   MemoryReport memory() const override {
     MemoryReport r{this->name(), kind(), 0, 0, 0};
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
@@ -422,6 +423,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
     r.factor_bytes = (diagonal ? a + g : a * a + g * g) * sizeof(F);
     r.workspace_bytes = (diagonal || !holder ? 2 : 3) * g * a * sizeof(D);  // x, out (+ work)
+    r.workspace_bytes += (diagonal ? a + g : a * a + g * g) * sizeof(C);    // pending Gram matrices
     if (!diagonal && holder) {
       for (int u = 0; u < units(); ++u)
         for (const auto& [count, size] : unit_shapes(u)) r.decomposition_bytes += count * size;
@@ -491,13 +493,15 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
         exec, pending, C(new_weight / norm), C(has_factors_ ? decay : 0.0), f);
   }
 
-  /// Folds one observation's rows into its pending Gram matrix (allocated at the first one), so
-  /// that only O(n^2) stays between observe and step, whatever the batch. The rows themselves
-  /// live only during the observe call.
+  /// Folds one observation's rows into its pending Gram matrix, so that only O(n^2) stays
+  /// between observe and step, whatever the batch. The rows themselves live only during the
+  /// observe call. The Gram matrix is allocated at the layer's first observation and kept for
+  /// the layer's lifetime: each step's first observation overwrites it (beta = 0), later ones
+  /// add to it (beta = 1), so no step allocates or zeroes n x n memory.
   void fold(const Exec& exec, const RMatrix& rows, bool first, index_t n, PMatrix& pending) {
-    // The host BLAS's syrk with beta = 0 overwrites the upper triangle, the only part read, so
-    // its memory need not be zeroed first (a memset of the factor's size per step); the
-    // portable GEMM gets zeros.
+    // The host BLAS's syrk, and GEMM (KokkosBlas, cuBLAS) alike, never read C when beta = 0,
+    // and only the upper triangle is read afterwards; the portable path is still zeroed once,
+    // at allocation, so that no uninitialised value is ever read by a kernel.
 #if defined(KFAC_HAVE_LAPACK)
     constexpr bool overwritten = impl::host_accessible_v<Exec> || diagonal;
 #else
@@ -518,7 +522,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   impl::Extents last_input_{0, 0, 0, 0};
   std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
   std::vector<impl::Extents> g_extents_;  // of this step's output gradients, likewise
-  PMatrix a_pending_, g_pending_;  // sum of R^T R over this step's observations (upper triangle)
+  // Sum of R^T R over this step's observations (upper triangle), persistent across steps:
+  // (a^2 + g^2) values of C from the first observation on, (a + g) for Diagonal.
+  PMatrix a_pending_, g_pending_;
   int a_count_ = 0, g_count_ = 0;   // observations folded in this step
   double a_norm_ = 0, g_norm_ = 0;
   double a_trace_ = 0, g_trace_ = 0;  // traces of the pending Gram matrices (sums of squares of their rows)
