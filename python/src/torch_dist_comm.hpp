@@ -32,7 +32,7 @@ class TorchDistComm {
   int rank() const { return int(state_->pg->getRank()); }
   int size() const { return int(state_->pg->getSize()); }
   std::size_t bytes_sent() const { return state_->bytes; }
-  bool cuda_aware() const { return true; }  // host memory only here: nothing to stage
+  bool device_aware() const { return true; }  // host memory only here: nothing to stage
 
   double allreduce_sum(double v) const {
     at::Tensor t = torch::full({1}, v, at::kDouble);

@@ -60,6 +60,11 @@ class Dense {
   index_t g_rows(const impl::Extents& grad) const { return index_t(grad[0]); }
   double a_normalizer(const impl::Extents& input) const { return double(input[0]); }
   double g_normalizer(const impl::Extents& grad) const { return double(grad[0]); }
+  /// Whether the input (batch, in), row-major, is rows_a itself (no bias column): a block whose
+  /// arithmetic type is the input's then folds it without copying it. The output gradient is
+  /// rows_g itself whenever it needs no scaling.
+  bool a_rows_are_input() const { return !bias_; }
+  bool g_rows_are_output_grad() const { return true; }
 
   template <class Exec, class Scalar, class Rows>
   void fill_a_rows(const Exec& exec, const impl::Tensor4<Scalar, Exec>& x, const Rows& rows) const {

@@ -95,6 +95,14 @@ template <class P, class = void>
 struct split_passes_of : std::integral_constant<int, 0> {};
 template <class P>
 struct split_passes_of<P, std::void_t<decltype(P::split_passes)>> : std::integral_constant<int, P::split_passes> {};
+/// Whether a layer type says when its observations are their rows themselves (Dense:
+/// `a_rows_are_input`, `g_rows_are_output_grad`); layer types without them always copy.
+template <class L, class = void>
+struct has_rows_in_place : std::false_type {};
+template <class L>
+struct has_rows_in_place<L, std::void_t<decltype(std::declval<const L&>().a_rows_are_input()),
+                                        decltype(std::declval<const L&>().g_rows_are_output_grad())>>
+    : std::true_type {};
 template <class P, class = void>
 struct host_thread_safe : std::false_type {};
 template <class P>
@@ -123,6 +131,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   // Observation rows keep the host framework's row-major layout: filling them is a contiguous
   // copy, and BLAS reads them as the column-major transpose (syrk without a transpose).
   using RMatrix = Kokkos::View<C**, Kokkos::LayoutRight, typename Exec::memory_space>;
+  // An observation that is its own rows, read in place (see rows_in_place).
+  using ConstRows = Kokkos::View<const C**, Kokkos::LayoutRight, typename Exec::memory_space,
+                                 Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   using PMatrix = impl::Matrix<C, Exec>;  // pending Gram matrices, in the arithmetic type
   using Fact = typename InversePolicy::template Factorization<D, Exec>;
   static constexpr bool diagonal = FactorPolicy::is_diagonal;
@@ -177,10 +188,15 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
 
   void observe_input(const Exec& exec, const tensor_type& x) override {
     const auto e = impl::extents_of(x);
-    RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
-                 layer_.a_rows(e), na_);
-    layer_.fill_a_rows(exec, x, rows);
-    fold(exec, rows, a_count_ == 0, na_, a_pending_);  // may throw (allocation): nothing counted yet
+    const ConstRows in_place = rows_in_place(x, layer_.a_rows(e), na_, 0);
+    if (in_place.data()) {
+      fold(exec, in_place, a_count_ == 0, na_, a_pending_);  // may throw (allocation): nothing counted yet
+    } else {
+      RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
+                   layer_.a_rows(e), na_);
+      layer_.fill_a_rows(exec, x, rows);
+      fold(exec, rows, a_count_ == 0, na_, a_pending_);
+    }
     ++a_count_;
     a_trace_ = impl::pending_trace<diagonal>(exec, a_pending_);
     a_norm_ += layer_.a_normalizer(e);
@@ -190,10 +206,15 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   }
   void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
     const auto e = impl::extents_of(g);
-    RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
-                 layer_.g_rows(e), ng_);
-    layer_.fill_g_rows(exec, g, scale, rows);
-    fold(exec, rows, g_count_ == 0, ng_, g_pending_);
+    const ConstRows in_place = rows_in_place(g, layer_.g_rows(e), ng_, scale == 1.0 ? 1 : -1);
+    if (in_place.data()) {
+      fold(exec, in_place, g_count_ == 0, ng_, g_pending_);
+    } else {
+      RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
+                   layer_.g_rows(e), ng_);
+      layer_.fill_g_rows(exec, g, scale, rows);
+      fold(exec, rows, g_count_ == 0, ng_, g_pending_);
+    }
     ++g_count_;
     g_trace_ = impl::pending_trace<diagonal>(exec, g_pending_);
     g_norm_ += layer_.g_normalizer(e);
@@ -493,12 +514,27 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
         exec, pending, C(new_weight / norm), C(has_factors_ ? decay : 0.0), f);
   }
 
+  /// The observation itself as its m x n rows, when the layer type says it is (which: 0 input,
+  /// 1 output gradient, -1 neither) and it is in the arithmetic type: the syrk then reads the
+  /// caller's memory during the observe call, with no copy (the same values, so the same bits).
+  /// An empty view otherwise.
+  ConstRows rows_in_place(const tensor_type& t, index_t m, index_t n, int which) const {
+    if constexpr (std::is_same<Scalar, C>::value && impl::has_rows_in_place<LayerType>::value) {
+      const bool same = which == 0 ? layer_.a_rows_are_input() : which == 1 && layer_.g_rows_are_output_grad();
+      if (same) return ConstRows(t.data(), m, n);
+    } else {
+      (void)t; (void)m; (void)n; (void)which;
+    }
+    return ConstRows();
+  }
+
   /// Folds one observation's rows into its pending Gram matrix, so that only O(n^2) stays
   /// between observe and step, whatever the batch. The rows themselves live only during the
   /// observe call. The Gram matrix is allocated at the layer's first observation and kept for
   /// the layer's lifetime: each step's first observation overwrites it (beta = 0), later ones
   /// add to it (beta = 1), so no step allocates or zeroes n x n memory.
-  void fold(const Exec& exec, const RMatrix& rows, bool first, index_t n, PMatrix& pending) {
+  template <class Rows>
+  void fold(const Exec& exec, const Rows& rows, bool first, index_t n, PMatrix& pending) {
     // The host BLAS's syrk, and GEMM (KokkosBlas, cuBLAS) alike, never read C when beta = 0,
     // and only the upper triangle is read afterwards; the portable path is still zeroed once,
     // at allocation, so that no uninitialised value is ever read by a kernel.
