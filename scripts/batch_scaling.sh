@@ -9,7 +9,8 @@
 #   bash scripts/batch_scaling.sh --quick   MLP at batches 256 and 4096, seed 1 (a few minutes)
 #   bash scripts/batch_scaling.sh           MLP at 256, 1024, 4096, 16384 and the CNN at 256 and
 #                                           4096, 3 seeds, a learning-rate sweep per optimizer on
-#                                           seed 1 (about 2 hours on 2 cores)
+#                                           seed 1 (not run yet; estimated 3-4 hours on 2
+#                                           cores, mostly the CNN: see docs/large_batch.md)
 # Options: --out DIR (default results/batch_scaling), --threads N (BLAS threads, default 2).
 # docs/large_batch.md explains the recipe and the figures.
 set -euo pipefail
@@ -23,7 +24,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1 ;;
     --out) out=$2; shift ;;
     --threads) threads=$2; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "batch_scaling.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift

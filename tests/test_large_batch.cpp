@@ -2,6 +2,7 @@
 // the schedules across a checkpoint/restore, and the recipe on a small problem against the same
 // run with its schedules written out by hand.
 #include <cmath>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -75,6 +76,8 @@ TEST_CASE("stale_fisher_after: first until hold, then doubling up to the cap", "
   CHECK(g(1) == 6);
   CHECK(g(2) == 10);
   CHECK(g(1000000) == 10);
+  const long huge = std::numeric_limits<long>::max();
+  CHECK(sch::stale_fisher_after(0, 1, huge, 1)(1000) == huge);  // capped, not overflowed
   CHECK_THROWS_AS(sch::stale_fisher_after(-1, 1, 2, 1), kfac::Error);
   CHECK_THROWS_AS(sch::stale_fisher_after(0, 2, 1, 1), kfac::Error);
   CHECK_THROWS_AS(sch::stale_fisher_after(0, 1, 2, 0), kfac::Error);

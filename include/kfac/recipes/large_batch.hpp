@@ -3,7 +3,7 @@
 /// \brief A recipe for K-FAC at large mini-batches after Osawa et al. 2019 ("Large-Scale
 /// Distributed Second-Order Optimization Using Kronecker-Factored Approximate Curvature for
 /// Deep Convolutional Neural Networks", CVPR): the learning rate scaled with the batch and
-/// warmed up, then decayed polynomially (or in steps); damping that starts large and decays;
+/// warmed up, then decayed polynomially (or in steps); damping that starts higher by the batch's scale (at most 10x) and decays;
 /// Fisher statistics and decompositions every step in the first epoch, then at intervals that
 /// double every epoch up to a cap; and a KL-clip bound scaled with the batch.
 ///

@@ -130,8 +130,8 @@ inline std::function<long(long)> stale_fisher_after(long hold, long first, long 
     if (s < hold) return first;
     long interval = first;
     for (long doublings = 1 + (s - hold) / double_every; doublings > 0 && interval < max_interval; --doublings)
-      interval *= 2;
-    return interval < max_interval ? interval : max_interval;
+      interval = interval > max_interval / 2 ? max_interval : 2 * interval;  // no overflow near LONG_MAX
+    return interval;
   };
 }
 
