@@ -8,6 +8,7 @@
 #include <kfac/kfac.hpp>
 
 #include "cost_model_net.hpp"
+#include "toy_method.hpp"
 
 using namespace kfac_test;
 using Host = Kokkos::DefaultHostExecutionSpace;
@@ -46,19 +47,24 @@ TEST_CASE("LayerShape mirrors register_layer's policies", "[cost_model][shape]")
   CHECK(d.a_dim == 6);
   CHECK(d.g_dim == 4);
   CHECK(d.packed);
-  CHECK(d.decomposition == kfac::DecompositionKind::eigen);
   CHECK(d.decomposed_factors() == 2);
+  CHECK(d.unit_costs[0].work.eigh_n3 == cube(6));  // the eigendecomposition states its own work
+  CHECK(d.unit_costs[1].work.eigh_n3 == cube(4));
+  CHECK(d.plan.apply.gemm_flops == 4.0 * 4 * 6 * (4 + 6));
   const auto c = kfac::LayerShape::of<kfac::Conv2d, kfac::Full, kfac::Cholesky<>, kfac::MixedPrecision>(
       "conv", kfac::Conv2d(2, 3, 3, 3).with_bias(false));
   CHECK(c.a_dim == 18);
   CHECK(c.g_dim == 3);
   CHECK_FALSE(c.packed);
-  CHECK(c.decomposition == kfac::DecompositionKind::cholesky);
+  CHECK(c.unit_costs[0].work.factorization_n3 == cube(18));
+  CHECK(c.unit_costs[0].work.eigh_n3 == 0);
+  CHECK(c.plan.apply.gemm_flops == 2.0 * 3 * 18 * (3 + 18));
   CHECK(c.factor_scalar == 4);
   CHECK(c.decomposition_scalar == 8);
   const auto g = kfac::LayerShape::of<kfac::Dense, kfac::Diagonal>("diag", kfac::Dense(5, 4));
-  CHECK(g.decomposition == kfac::DecompositionKind::closed_form);
   CHECK(g.decomposed_factors() == 0);
+  CHECK(g.plan.apply.gemm_flops == 0);
+  CHECK_FALSE(g.packed);
   const auto b = kfac::LayerShape::of("bn", kfac::BatchNorm2d(7));
   CHECK_FALSE(b.kronecker);
   CHECK(b.channels == 7);
@@ -303,6 +309,107 @@ TEST_CASE("memory equals memory_report() of a real Preconditioner", "[cost_model
     CHECK(mem[4].workspace_bytes == 2 * 14 * 8 + (7 + 2) * 8);
     CHECK(mem[5].workspace_bytes == (skips ? 9 * 8 : 9 * 8 + 12 * 8));
     CHECK(mem[1].total() == (skips ? 0 : (16 + 9) * 8 * 3 + 3 * 12 * 8));
+  }
+}
+
+namespace {
+/// Registers each layer on a Preconditioner and describes it on a CostModel: one registration.
+template <class Pre>
+struct Both {
+  Pre& pre;
+  kfac::CostModel& model;
+  template <class L, class M>
+  void register_layer(const std::string& name, const L& layer, const M& method) {
+    pre.register_layer(name, layer, method);
+    model.add<typename Pre::scalar_type>(name, layer, method);
+  }
+};
+}  // namespace
+
+TEST_CASE("CostModel::add describes what register_layer registers, for any method", "[cost_model][shape]") {
+  // A float preconditioner (ScalarPrecision resolves to float), methods with non-default
+  // settings, NG-SGD and the toy method of toy_method.hpp, which the library does not know.
+  kfac::Preconditioner<float, Host> pre(kfac::Options{}.with_inv_update_steps(1));
+  kfac::CostModel model;
+  Both<decltype(pre)> both{pre, model};
+  both.register_layer("fc1", kfac::Dense(5, 4), kfac::KFAC<>{});
+  both.register_layer("fc2", kfac::Dense(4, 3), kfac::KFAC<kfac::Full, kfac::NewtonSchulz>(kfac::NewtonSchulz{}.with_max_iterations(40)));
+  both.register_layer("fc3", kfac::Dense(3, 6), kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>, kfac::MixedPrecision>{});
+  both.register_layer("ng", kfac::Dense(6, 5), kfac::NGSGD{}.with_rank(2));
+  both.register_layer("toy", kfac::Dense(5, 2), ScaledIdentity{});
+  both.register_layer("bn", kfac::BatchNorm2d(2), kfac::UnitWiseFisher<>{});
+  CHECK_THROWS_WITH(model.add("fc1", kfac::Dense(5, 4), kfac::KFAC<>{}), Catch::Contains("already added"));
+  CHECK_THROWS_WITH(model.layer("nope"), Catch::Contains("no layer of this name"));
+  REQUIRE(model.layers().size() == 6);
+
+  const auto& fc1 = model.layer("fc1");
+  CHECK(fc1.factor_scalar == 4);         // float, from the block
+  CHECK(fc1.decomposition_scalar == 4);
+  CHECK(fc1.unit_costs[0].work.scalar == 4);
+  const auto& fc2 = model.layer("fc2");
+  CHECK(fc2.unit_costs[1].work.iteration_flops == 4 * cube(3));
+  CHECK_FALSE(fc2.packed);
+  const auto& fc3 = model.layer("fc3");
+  CHECK(fc3.factor_scalar == 4);
+  CHECK(fc3.decomposition_scalar == 8);
+  CHECK(model.layer("toy").decomposed_factors() == 1);
+  CHECK(model.layer("toy").unit_costs[0].flops == 1.0);
+  CHECK(model.layer("ng").decomposed_factors() == 0);
+  CHECK_FALSE(model.layer("bn").kronecker);
+  // The same description as the policy-list form, where one exists.
+  const auto listed = kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::MixedPrecision>("fc3", kfac::Dense(3, 6));
+  CHECK(listed.payload_counts == fc3.payload_counts);
+  CHECK(listed.unit_counts == fc3.unit_counts);
+  CHECK(listed.plan.apply.gemm_flops == fc3.plan.apply.gemm_flops);
+  CHECK(listed.planned[1][0][0].total() == fc3.planned[1][0][0].total());
+
+  // Times come from each unit's own work: the toy unit's work is zero, Newton-Schulz's is
+  // iteration flops times the assumed iterations.
+  const kfac::MachineFigures m;
+  CHECK(m.decomposition_seconds(model.layer("toy"), 0) == 0.0);
+  CHECK(m.decomposition_seconds(fc2, 0) == Approx(m.newton_schulz_iterations * 4 * cube(5) / m.gemm_flops / m.float_speedup));
+  CHECK(m.decomposition_seconds(fc1, 0) == Approx(m.eigen_seconds_per_n3 * cube(6) / m.float_speedup));
+  // NG-SGD (a = 7 with the bias column, g = 5, ranks 2 and 2) states the GEMMs of its apply,
+  // which every rank runs for its own gradient.
+  const double ng = m.preconditioning_seconds(model.layer("ng"));
+  CHECK(ng == Approx((4.0 * 7 * 5 * (2 + 2) + 2.0 * 2 * 2 * (7 + 5)) / m.gemm_flops / m.float_speedup));
+  for (int world : {1, 3}) {
+    const auto q = model.predict(world);
+    double kronecker = 0;  // whole layers on one gradient worker each (COMM-OPT: every rank)
+    for (const char* l : {"fc1", "fc2", "fc3"}) kronecker += m.preconditioning_seconds(model.layer(l));
+    for (const auto& r : q.ranks) CHECK(r.preconditioning_seconds == Approx(kronecker + ng));
+  }
+  const auto p = model.predict(1, kfac::Options{}.with_inv_update_steps(1));
+  CHECK(p.ranks[0].decomposition_n3 == Approx(cube(6) + cube(4) + cube(5) + cube(3) + cube(4) + cube(6) + 1.0));
+
+  // Memory: what the preconditioner reports after two steps, layer by layer.
+  Rng rng(9);
+  for (int step = 0; step < 2; ++step) {
+    auto x1 = random_view<float>(8, 5, rng), g1 = random_view<float>(8, 4, rng), w1 = random_view<float>(4, 5, rng);
+    auto x2 = random_view<float>(8, 4, rng), g2 = random_view<float>(8, 3, rng), w2 = random_view<float>(3, 4, rng);
+    auto x3 = random_view<float>(8, 3, rng), g3 = random_view<float>(8, 6, rng), w3 = random_view<float>(6, 3, rng);
+    auto x4 = random_view<float>(8, 6, rng), g4 = random_view<float>(8, 5, rng), w4 = random_view<float>(5, 6, rng);
+    auto x5 = random_view<float>(8, 5, rng), g5 = random_view<float>(8, 2, rng), w5 = random_view<float>(2, 5, rng);
+    auto xb = random_view4<float>(8, 2, 2, 2, rng), gb = random_view4<float>(8, 2, 2, 2, rng);
+    auto b1 = random_vector<float>(4, rng), b2 = random_vector<float>(3, rng), b3 = random_vector<float>(6, rng);
+    auto b4 = random_vector<float>(5, rng), b5 = random_vector<float>(2, rng);
+    auto gamma = random_vector<float>(2, rng), beta = random_vector<float>(2, rng);
+    pre.observe_input("fc1", x1); pre.observe_output_grad("fc1", g1); pre.set_gradient("fc1", w1, b1);
+    pre.observe_input("fc2", x2); pre.observe_output_grad("fc2", g2); pre.set_gradient("fc2", w2, b2);
+    pre.observe_input("fc3", x3); pre.observe_output_grad("fc3", g3); pre.set_gradient("fc3", w3, b3);
+    pre.observe_input("ng", x4); pre.observe_output_grad("ng", g4); pre.set_gradient("ng", w4, b4);
+    pre.observe_input("toy", x5); pre.observe_output_grad("toy", g5); pre.set_gradient("toy", w5, b5);
+    pre.observe_input("bn", xb); pre.observe_output_grad("bn", gb); pre.set_gradient("bn", gamma, beta);
+    pre.step();
+  }
+  const auto got = pre.memory_report();
+  REQUIRE(got.size() == p.ranks[0].memory.size());
+  for (std::size_t l = 0; l < got.size(); ++l) {
+    INFO("layer " << got[l].name);
+    CHECK(p.ranks[0].memory[l].name == got[l].name);
+    CHECK(p.ranks[0].memory[l].factor_bytes == got[l].factor_bytes);
+    CHECK(p.ranks[0].memory[l].decomposition_bytes == got[l].decomposition_bytes);
+    CHECK(p.ranks[0].memory[l].workspace_bytes == got[l].workspace_bytes);
   }
 }
 

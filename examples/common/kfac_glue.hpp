@@ -225,14 +225,15 @@ class KfacSgd {
     }
     options_ = options;
     cholesky_ = s.inverse == "cholesky";
+    pi_damping_ = s.pi_damping;
+    eigen_refresh_ = s.eigen_refresh;
 #if KFAC_EXAMPLES_HAVE_MPI
     if (world.size() > 1)
       mpi_ = std::make_unique<MpiPreconditioner>(options, ExecSpace(), kfac::MpiComm(world.comm()));
 #endif
     if (world.size() > 1 && !mpi_) throw std::runtime_error("data-parallel K-FAC needs kfac built with MPI");
     if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options);
-    const bool cholesky = s.inverse == "cholesky";
-    with_preconditioner([&](auto& pre) { register_layers(net, pre, cholesky, s.pi_damping, s.eigen_refresh); });
+    with_preconditioner([&](auto& pre) { register_layers(net, pre); });
   }
 
   /// \brief After forward and backward (and gradient averaging): hand kfac the observations and
@@ -258,25 +259,20 @@ class KfacSgd {
   /// `world` ranks, with the observation rows of the last step's batch on this rank (times
   /// `world`: the global batch): what kfac_seconds() should come to per step. Call it after a step.
   KfacStepCost predicted(Network& net, int world, const ModelFigures& figures = {}) const {
-    std::vector<kfac::LayerShape> shapes;
-    auto kronecker = [&](const std::string& name, const auto& kfac_layer, long rows) {
-      using K = std::decay_t<decltype(kfac_layer)>;
-      if (cholesky_) shapes.push_back(kfac::LayerShape::of<K, kfac::Symmetric, kfac::Cholesky<>, kfac::Precision<float>>(name, kfac_layer));
-      else shapes.push_back(kfac::LayerShape::of<K, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(name, kfac_layer));
-      shapes.back().with_observation_rows(kfac::index_t(rows) * world);
-    };
+    kfac::CostModel model(figures.machine);
+    PlanOnto onto{model};
+    register_layers(net, onto);  // what the preconditioner registered
     net.for_each_layer([&](const std::string& name, const auto& layer) {
       using L = std::decay_t<decltype(layer)>;
-      if constexpr (std::is_same_v<L, Dense>) {
-        kronecker(name, kfac_layer_of(layer), long(layer.output_grad().extent(0)));
-      } else if constexpr (std::is_same_v<L, Conv2d>) {
+      long rows = 0;  // this rank's observation rows of the last step
+      if constexpr (std::is_same_v<L, Dense>) rows = long(layer.output_grad().extent(0));
+      if constexpr (std::is_same_v<L, Conv2d>) {
         const auto& dy = layer.output_grad();  // (N, O, Ho, Wo): one row per sample and position
-        kronecker(name, kfac_layer_of(layer), long(dy.extent(0)) * long(dy.extent(2)) * long(dy.extent(3)));
-      } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
-        shapes.push_back(kfac::LayerShape::of<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels())));
+        rows = long(dy.extent(0)) * long(dy.extent(2)) * long(dy.extent(3));
       }
+      if (rows > 0) model.layer(name).with_observation_rows(kfac::index_t(rows) * world);
     });
-    const kfac::CostPrediction p = kfac::CostModel(shapes, figures.machine).predict(world, options_);
+    const kfac::CostPrediction p = model.predict(world, options_);
     KfacStepCost c;
     c.step_s = p.step_seconds();
     c.factors_s = p.factor_compute_seconds;
@@ -308,8 +304,19 @@ class KfacSgd {
 
   kfac::Options options_;
   std::function<double(long)> lr_;  ///< the recipe's learning rate; empty: constant
-  bool cholesky_ = false;
+  bool cholesky_ = false, pi_damping_ = false;
+  double eigen_refresh_ = 0;
   double kfac_seconds_ = 0;
+
+  /// Describes on a cost model what register_layer registers on the examples' preconditioners
+  /// (Scalar float).
+  struct PlanOnto {
+    kfac::CostModel& model;
+    template <class LayerType, class Method>
+    void register_layer(const std::string& name, const LayerType& layer, const Method& method) {
+      model.add<float>(name, layer, method);
+    }
+  };
 
   template <class F>
   void with_preconditioner(F&& f) {
@@ -317,22 +324,24 @@ class KfacSgd {
     else f(*serial_);
   }
 
+  /// Registers every layer of `net` on `pre` (a preconditioner, or PlanOnto a cost model: one
+  /// registration serves both).
   template <class Pre>
-  static void register_layers(Network& net, Pre& pre, bool cholesky, bool pi_damping, double eigen_refresh) {
+  void register_layers(Network& net, Pre& pre) const {
     auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
       using K = std::decay_t<decltype(kfac_layer)>;
-      if (cholesky) pre.register_layer(name, kfac_layer, cholesky_method(pi_damping));
-      else if (eigen_refresh > 0)
+      if (cholesky_) pre.register_layer(name, kfac_layer, cholesky_method(pi_damping_));
+      else if (eigen_refresh_ > 0)
         pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(
-                                                 kfac::Eigendecomposition<>{}.with_refresh_tolerance(eigen_refresh)));
-      else pre.template register_layer<K>(name, kfac_layer);
+                                                 kfac::Eigendecomposition<>{}.with_refresh_tolerance(eigen_refresh_)));
+      else pre.register_layer(name, kfac_layer, typename kfac::default_method<K>::type{});
     };
     net.for_each_layer([&](const std::string& name, const auto& layer) {
       using L = std::decay_t<decltype(layer)>;
       if constexpr (std::is_same_v<L, Dense> || std::is_same_v<L, Conv2d>) {
         kronecker(name, kfac_layer_of(layer));
       } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
-        pre.template register_layer<kfac::BatchNorm2d, kfac::UnitWise>(name, kfac::BatchNorm2d(layer.channels()));
+        pre.register_layer(name, kfac::BatchNorm2d(layer.channels()), kfac::UnitWiseFisher<>{});
       }
     });
   }

@@ -57,12 +57,53 @@ struct FactorBuffer {
 /// (value count, scalar size) of one state buffer, known before it is allocated.
 using BufferShape = std::pair<std::size_t, std::size_t>;
 
+}  // namespace impl
+
+/// \brief What a computation runs, in the kinds of work kfac::MachineFigures prices: a method
+/// states its own work (per decomposable unit, per preconditioning, per observation row) and
+/// the cost model multiplies it by the machine's rates, so no method is restated in the planner.
+struct Work {
+  double eigh_n3 = 0;            ///< symmetric eigendecompositions (LAPACK syevd): sum of n^3
+  double factorization_n3 = 0;   ///< Cholesky factorizations and their inverses (potrf + potri): sum of n^3
+  double gemm_flops = 0;         ///< matrix products (GEMM, SYRK), in flops
+  double iteration_flops = 0;    ///< GEMM flops of one iteration of an iterative solver (Newton-Schulz)
+  double stream_bytes = 0;       ///< bytes read and written by element-wise passes
+  std::size_t scalar = 8;        ///< bytes of the arithmetic's scalar (4: float rates apply)
+  Work& operator+=(const Work& o) {
+    eigh_n3 += o.eigh_n3;
+    factorization_n3 += o.factorization_n3;
+    gemm_flops += o.gemm_flops;
+    iteration_flops += o.iteration_flops;
+    stream_bytes += o.stream_bytes;
+    return *this;
+  }
+  /// This work done `times` times (e.g. per observation row times the rows).
+  Work times(double times) const {
+    Work w = *this;
+    w.eigh_n3 *= times;
+    w.factorization_n3 *= times;
+    w.gemm_flops *= times;
+    w.iteration_flops *= times;
+    w.stream_bytes *= times;
+    return w;
+  }
+};
+
+/// \brief The work of a block's step besides its units' decompositions (Block::plan).
+struct BlockPlan {
+  Work statistics_per_row;  ///< forming the statistics, per observation row of a factor update
+  Work apply;               ///< preconditioning the whole gradient once
+};
+
+namespace impl {
+
 /// What one decomposable unit (K-FAC: factor A or G) costs: the greedy work assignment
 /// balances `flops` (AssignmentCost::compute) or `memory` (AssignmentCost::memory), in the
-/// relative units n^3 and n^2.
+/// relative units n^3 and n^2; `work` is what decomposing it runs, for the cost model's times.
 struct UnitCost {
   double flops = 0;
   double memory = 0;
+  Work work{};
 };
 
 /// \brief The per-layer unit a Preconditioner holds: one registered layer under one method.
@@ -180,6 +221,9 @@ class Block {
   /// shapes without allocating: on a rank that holds the decompositions or not, for a skipped
   /// layer or not. The cost model reads this instead of restating the formula.
   virtual MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const = 0;
+  /// The work of forming the statistics and of preconditioning, for the cost model (the
+  /// default: neither is modelled).
+  virtual BlockPlan plan() const { return {}; }
 
   /// Kept for readers of the first API (statistics were called factors).
   bool has_factors() const { return has_statistics(); }

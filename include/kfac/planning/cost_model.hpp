@@ -43,50 +43,25 @@
 #include "kfac/distributed/work_assignment.hpp"
 #include "kfac/layers/conv2d.hpp"
 #include "kfac/layers/dense.hpp"
-#include "kfac/preconditioner.hpp"
+#include "kfac/core/options.hpp"
+#include "kfac/methods/default_method.hpp"
 
 namespace kfac {
 
-/// \brief How a layer's damped inverse is obtained; the runtime image of an inversion policy.
-enum class DecompositionKind {
-  eigen,          ///< kfac::Eigendecomposition: syevd, buffers Q (n x n) and lambda (n)
-  cholesky,       ///< kfac::Cholesky: potrf + potri, buffer the inverse (n x n)
-  newton_schulz,  ///< kfac::NewtonSchulz: GEMM iterations, buffer the inverse (n x n)
-  closed_form,    ///< Diagonal factors and BatchNorm: nothing decomposed or communicated
-};
-
-namespace impl {
-template <class InversePolicy>
-struct decomposition_kind_of {
-  static constexpr bool known = false;
-};
-template <class B>
-struct decomposition_kind_of<Eigendecomposition<B>> {
-  static constexpr bool known = true;
-  static constexpr DecompositionKind value = DecompositionKind::eigen;
-};
-template <class B>
-struct decomposition_kind_of<Cholesky<B>> {
-  static constexpr bool known = true;
-  static constexpr DecompositionKind value = DecompositionKind::cholesky;
-};
-template <>
-struct decomposition_kind_of<NewtonSchulz> {
-  static constexpr bool known = true;
-  static constexpr DecompositionKind value = DecompositionKind::newton_schulz;
-};
-}  // namespace impl
-
-/// \brief One layer as the cost model sees it: shape, factor storage, inversion, scalar sizes.
+/// \brief One layer as the cost model sees it: what the block that register_layer would build
+/// says of itself (shapes, buffers, units and their work), read from that very block, so the
+/// model restates no method.
 ///
-/// Build it with LayerShape::of, which takes the same template arguments, with the same
-/// defaults, as Preconditioner::register_layer:
+/// Build it from the same arguments as Preconditioner::register_layer: a layer and a method
+/// object (`LayerShape::of(name, layer, method)`, or CostModel::add), or the template
+/// arguments of register_layer's second form, with the same defaults:
 /// \code
 /// std::vector<kfac::LayerShape> net{
 ///     kfac::LayerShape::of("fc1", kfac::Dense(784, 1024)),
-///     kfac::LayerShape::of<kfac::Conv2d, kfac::Full>("conv", kfac::Conv2d(3, 64, 3, 3)),
+///     kfac::LayerShape::of("conv", kfac::Conv2d(3, 64, 3, 3), kfac::KFAC<kfac::Full>{}),
 ///     kfac::LayerShape::of("bn", kfac::BatchNorm2d(64))};
 /// \endcode
+/// `Scalar` is the Preconditioner's: a method's kfac::ScalarPrecision resolves to it.
 struct LayerShape {
   std::string name;
   std::string kind;              ///< "dense", "conv2d" or "batch_norm" (matched by skip_layers)
@@ -94,11 +69,9 @@ struct LayerShape {
   index_t g_dim = 0;             ///< G is g_dim x g_dim; the gradient is g_dim x a_dim
   index_t channels = 0;          ///< BatchNorm2d channels (0 for Kronecker layers)
   bool kronecker = true;
-  bool diagonal = false;         ///< kfac::Diagonal factors
-  bool packed = true;            ///< factors travel as packed upper triangles (kfac::Symmetric)
-  DecompositionKind decomposition = DecompositionKind::eigen;
-  std::size_t factor_scalar = 8;         ///< sizeof(Precision::factor_type)
-  std::size_t decomposition_scalar = 8;  ///< sizeof(Precision::decomposition_type)
+  bool packed = true;            ///< matrix statistics travel as packed upper triangles (kfac::Symmetric)
+  std::size_t factor_scalar = 8;         ///< bytes per value of the averaged statistics
+  std::size_t decomposition_scalar = 8;  ///< bytes per value of the decompositions and the preconditioned gradient
   bool units_coupled = false;  ///< decomposing one unit reads the others (pi-damping)
   int split_passes = 0;        ///< passes of a divided apply (Block::split_passes; 0: not divisible)
   /// Rows each of the layer's factor statistics is formed from per factor update, over the
@@ -106,47 +79,42 @@ struct LayerShape {
   /// computation is not modelled). The model splits them evenly over the ranks.
   index_t observation_rows = 0;
 
-  /// What the layer's block says of itself (read from the block the Preconditioner would
-  /// build, so the model restates no formula): values per averaged buffer, values per buffer
-  /// of each decomposable unit, each unit's assignment cost, and the planned memory indexed
-  /// [holder][skipped][precompute_reciprocal].
+  /// What the layer's block says of itself: values per averaged buffer, values per buffer of
+  /// each decomposable unit, each unit's assignment cost and work, the work of its statistics
+  /// and of its preconditioning, and the planned memory indexed [holder][skipped][precompute_reciprocal].
   std::vector<std::size_t> payload_counts;
   std::vector<std::vector<std::size_t>> unit_counts;
   std::vector<impl::UnitCost> unit_costs;
+  BlockPlan plan;
   MemoryReport planned[2][2][2];
 
+  /// \tparam Scalar the Preconditioner's Scalar.
+  /// \param method [in] a method object (kfac::KFAC<...>, kfac::UnitWiseFisher, kfac::NGSGD, or
+  /// one of your own), as register_layer takes it.
+  template <class Scalar = double, class LayerType, class Method>
+  static LayerShape of(std::string name, const LayerType& layer, const Method& method) {
+    static_assert(is_method_v<Method>, "kfac::LayerShape::of: the third argument must be a method object");
+    LayerShape s;
+    s.describe_block(*method.template make_block<Scalar, Kokkos::DefaultHostExecutionSpace>(name, layer));
+    s.name = std::move(name);
+    s.kind = LayerType::kind;
+    if constexpr (LayerType::is_kronecker) {
+      s.a_dim = layer.a_dim();
+      s.g_dim = layer.g_dim();
+    } else {
+      s.kronecker = false;
+      s.channels = layer.channels();
+    }
+    return s;
+  }
   /// \tparam LayerType Dense, Conv2d or BatchNorm2d.
   /// \tparam FactorPolicy, InversePolicy, Prec as in Preconditioner::register_layer.
   template <class LayerType, class FactorPolicy = impl::UnsetPolicy,
             class InversePolicy = Eigendecomposition<>, class Prec = Precision<double>>
   static LayerShape of(std::string name, const LayerType& layer) {
     static_assert(impl::is_precision<Prec>::value, "kfac::LayerShape: Prec must be a kfac::Precision<...>");
-    static_assert(impl::decomposition_kind_of<InversePolicy>::known,
-                  "kfac::LayerShape: InversePolicy must be Eigendecomposition<>, Cholesky<> or NewtonSchulz");
-    using Method = impl::method_for<LayerType, FactorPolicy, InversePolicy, Prec, double>;
-    LayerShape s;
-    s.describe_block(*Method{}.template make_block<double, Kokkos::DefaultHostExecutionSpace>(name, layer));
-    s.name = std::move(name);
-    s.kind = LayerType::kind;
-    s.factor_scalar = sizeof(typename Prec::factor_type);
-    s.decomposition_scalar = sizeof(typename Prec::decomposition_type);
-    using Factor = std::conditional_t<std::is_same<FactorPolicy, impl::UnsetPolicy>::value,
-                                      typename impl::default_factor<LayerType>::type, FactorPolicy>;
-    if constexpr (LayerType::is_kronecker) {
-      s.a_dim = layer.a_dim();
-      s.g_dim = layer.g_dim();
-      s.diagonal = Factor::is_diagonal;
-      s.packed = Factor::packed;
-      s.decomposition = Factor::is_diagonal ? DecompositionKind::closed_form
-                                                  : impl::decomposition_kind_of<InversePolicy>::value;
-    } else {
-      s.kronecker = false;
-      s.channels = layer.channels();
-      s.diagonal = std::is_same<Factor, Diagonal>::value;
-      s.packed = false;
-      s.decomposition = DecompositionKind::closed_form;
-    }
-    return s;
+    static_assert(is_inversion_v<InversePolicy>, "kfac::LayerShape: InversePolicy must be an inversion policy");
+    return of(std::move(name), layer, impl::method_for<LayerType, FactorPolicy, InversePolicy, Prec, double>{});
   }
 
   /// Sets observation_rows (the global batch's rows per factor update).
@@ -170,9 +138,18 @@ struct LayerShape {
  private:
   template <class Block>
   void describe_block(Block& b) {
-    for (const auto& f : b.averaged_state()) payload_counts.push_back(f.payload_count());
+    bool matrices = false;
+    for (const auto& f : b.averaged_state()) {
+      payload_counts.push_back(f.payload_count());
+      factor_scalar = f.storage.scalar_size;
+      matrices = matrices || f.matrix;
+      packed = packed && (f.packed || !f.matrix);
+    }
+    packed = packed && matrices;
     units_coupled = b.units_coupled();
     split_passes = b.split_passes();
+    plan = b.plan();
+    decomposition_scalar = plan.apply.scalar;
     for (int u = 0; u < b.units(); ++u) {
       unit_costs.push_back(b.unit_cost(u));
       unit_counts.emplace_back();
@@ -195,7 +172,7 @@ struct LayerShape {
 /// | double | latency | seconds per message hop | 3.5e-7 |
 /// | double | memory_bandwidth | bytes/s of a streaming copy (read + written) on one rank | 2.4e10 |
 /// | double | float_speedup | how much faster float arithmetic runs than double | 2.0 |
-/// | int | newton_schulz_iterations | iterations assumed for kfac::NewtonSchulz (4 n^3 flops each) | 30 |
+/// | int | newton_schulz_iterations | iterations assumed for an iterative solver (Work::iteration_flops; kfac::NewtonSchulz: 4 n^3 flops each) | 30 |
 ///
 /// The defaults were measured on the 2-core AMD EPYC (Zen 3, KVM) development machine with one
 /// OpenBLAS thread per rank (OPENBLAS_NUM_THREADS=1), n = 1024, and OpenMPI 4.1.4 over shared
@@ -220,37 +197,28 @@ struct MachineFigures {
   MachineFigures& with_float_speedup(double v) { float_speedup = v; return *this; }
   MachineFigures& with_newton_schulz_iterations(int v) { newton_schulz_iterations = v; return *this; }
 
-  /// Seconds to decompose one n x n factor of `layer`'s kind.
-  double decomposition_seconds(const LayerShape& layer, index_t n) const {
-    const double n3 = double(n) * n * n;
-    const double scale = layer.decomposition_scalar == 4 ? 1.0 / float_speedup : 1.0;
-    switch (layer.decomposition) {
-      case DecompositionKind::eigen: return scale * eigen_seconds_per_n3 * n3;
-      case DecompositionKind::cholesky: return scale * cholesky_seconds_per_n3 * n3;
-      case DecompositionKind::newton_schulz: return scale * newton_schulz_iterations * 4.0 * n3 / gemm_flops;
-      default: return 0.0;
-    }
+  /// Seconds `w` takes here: each kind of work at its rate, the arithmetic at float_speedup
+  /// when w.scalar < 8 (reduced precision computes in float), element-wise bytes at
+  /// memory_bandwidth.
+  double seconds(const Work& w) const {
+    const double scale = w.scalar < 8 ? 1.0 / float_speedup : 1.0;
+    return scale * (w.eigh_n3 * eigen_seconds_per_n3 + w.factorization_n3 * cholesky_seconds_per_n3 +
+                    (w.gemm_flops + newton_schulz_iterations * w.iteration_flops) / gemm_flops) +
+           w.stream_bytes / memory_bandwidth;
   }
-  /// Seconds to form `layer`'s factor statistics from `rows` observation rows: the rows
-  /// themselves (a + g values each, read and written once, at memory_bandwidth), then one syrk,
-  /// n (n + 1) flops per row, for each Kronecker factor (2 n per row for diagonal ones);
-  /// BatchNorm is element-wise (not modelled). Reduced-precision factors are formed in float.
+  /// Seconds to decompose unit `u` of `layer`, as the unit states its work.
+  double decomposition_seconds(const LayerShape& layer, int u) const {
+    return seconds(layer.unit_costs.at(std::size_t(u)).work);
+  }
+  /// Seconds to form `layer`'s statistics from `rows` observation rows, as its block states the
+  /// work per row (K-FAC: forming the rows, then one syrk per factor; BatchNorm and NG-SGD:
+  /// not modelled).
   double factor_seconds(const LayerShape& layer, index_t rows) const {
-    if (!layer.kronecker) return 0.0;
-    const double a = double(layer.a_dim), g = double(layer.g_dim);
-    const double per_row = layer.diagonal ? 2.0 * (a + g) : a * (a + 1) + g * (g + 1);
-    const double scale = layer.factor_scalar < 8 ? 1.0 / float_speedup : 1.0;
-    const double scalar = layer.factor_scalar < 8 ? 4.0 : 8.0;
-    return double(rows) * (scale * per_row / gemm_flops + 2.0 * scalar * (a + g) / memory_bandwidth);
+    return seconds(layer.plan.statistics_per_row.times(double(rows)));
   }
-  /// Seconds to precondition `layer`'s gradient: 4 GEMMs (eigen) or 2 (explicit inverses).
-  double preconditioning_seconds(const LayerShape& layer) const {
-    if (layer.decomposed_factors() == 0) return 0.0;  // element-wise, not modelled
-    const double g = layer.g_dim, a = layer.a_dim;
-    const double gemms = layer.decomposition == DecompositionKind::eigen ? 2.0 : 1.0;
-    const double scale = layer.decomposition_scalar == 4 ? 1.0 / float_speedup : 1.0;
-    return scale * gemms * 2.0 * g * a * (g + a) / gemm_flops;
-  }
+  /// Seconds to precondition `layer`'s gradient once, as its block states the work (K-FAC's
+  /// eigendecomposition: 4 GEMMs; explicit inverses: 2; closed forms: not modelled).
+  double preconditioning_seconds(const LayerShape& layer) const { return seconds(layer.plan.apply); }
   /// Seconds of the element-wise passes over `layer`'s g x a gradient that every rank makes at
   /// every step, whatever the strategy: loading it (read, write), writing the preconditioned
   /// gradient back (read, write) and, with KL clipping, the inner product (two reads), at
@@ -279,8 +247,8 @@ struct MachineFigures {
 /// \brief What one rank does and holds.
 struct RankCost {
   int rank = 0;
-  /// Sum of the \f$n^3\f$ of the factors this rank decomposes (WorkAssignment::rank_load with
-  /// AssignmentCost::compute).
+  /// Sum of the assignment costs (UnitCost::flops: \f$n^3\f$ for K-FAC's exact decompositions)
+  /// of the units this rank decomposes (WorkAssignment::rank_load with AssignmentCost::compute).
   double decomposition_n3 = 0;
   /// Compute time of this rank's own decompositions, per decomposition step.
   double decomposition_seconds = 0;
@@ -380,17 +348,40 @@ struct CostPrediction {
 /// bucket_bytes, reduce_to_owner, split_preconditioning, comm_precision, precompute_reciprocal, skip_layers, and the intervals at step 0.
 class CostModel {
  public:
+  /// An empty model: describe the layers with add(), in registration order.
+  explicit CostModel(MachineFigures machine = MachineFigures{}) : machine_(machine) {}
   explicit CostModel(std::vector<LayerShape> layers, MachineFigures machine = MachineFigures{})
-      : layers_(std::move(layers)), machine_(machine) {
-    for (const auto& l : layers_) {
-      if (l.kronecker && (l.a_dim < 1 || l.g_dim < 1))
-        throw Error(l.name, "cost model: expected a_dim >= 1 and g_dim >= 1");
-      if (!l.kronecker && l.channels < 1) throw Error(l.name, "cost model: expected channels >= 1");
-      if ((l.factor_scalar != 2 && l.factor_scalar != 4 && l.factor_scalar != 8) ||
-          (l.decomposition_scalar != 4 && l.decomposition_scalar != 8))
-        throw Error(l.name, "cost model: factor scalar sizes must be 2 (kfac::Half), 4 (float) or "
-                            "8 (double), decomposition sizes 4 or 8");
-    }
+      : machine_(machine) {
+    for (auto& l : layers) add(std::move(l));
+  }
+
+  /// \brief Describes the layer that `pre.register_layer(name, layer, method)` registers on a
+  /// Preconditioner whose Scalar is `Scalar`: the same block, built and asked, so a method,
+  /// yours included, is priced by what it states of itself. Returns the layer's description
+  /// (e.g. to set LayerShape::with_observation_rows).
+  template <class Scalar = double, class LayerType, class Method>
+  LayerShape& add(std::string name, const LayerType& layer, const Method& method) {
+    return add(LayerShape::of<Scalar>(std::move(name), layer, method));
+  }
+  /// Appends a described layer; throws kfac::Error for a name already described or shapes
+  /// that no block has.
+  LayerShape& add(LayerShape l) {
+    if (l.kronecker && (l.a_dim < 1 || l.g_dim < 1)) throw Error(l.name, "cost model: expected a_dim >= 1 and g_dim >= 1");
+    if (!l.kronecker && l.channels < 1) throw Error(l.name, "cost model: expected channels >= 1");
+    if ((l.factor_scalar != 2 && l.factor_scalar != 4 && l.factor_scalar != 8) ||
+        (l.decomposition_scalar != 4 && l.decomposition_scalar != 8))
+      throw Error(l.name, "cost model: factor scalar sizes must be 2 (kfac::Half), 4 (float) or "
+                          "8 (double), decomposition sizes 4 or 8");
+    for (const auto& k : layers_)
+      if (k.name == l.name) throw Error(l.name, "cost model: a layer of this name was already added");
+    layers_.push_back(std::move(l));
+    return layers_.back();
+  }
+  /// The description of layer `name`; throws kfac::Error when there is none.
+  LayerShape& layer(const std::string& name) {
+    for (auto& k : layers_)
+      if (k.name == name) return k;
+    throw Error(name, "cost model: no layer of this name was added");
   }
 
   const std::vector<LayerShape>& layers() const { return layers_; }
@@ -441,12 +432,11 @@ class CostModel {
     std::vector<double> clock(std::size_t(world), 0.0);
     for (std::size_t l = 0; l < n; ++l) {
       const LayerShape& s = layers_[l];
-      if (skip[l] || s.decomposed_factors() == 0) continue;
-      for (int which = 0; which < 2; ++which) {
+      if (skip[l]) continue;
+      for (int which = 0; which < s.decomposed_factors(); ++which) {
         auto& rc = p.ranks[std::size_t(a.decomposer(l, which))];
-        const double t = machine_.decomposition_seconds(s, s.factor_dim(which));
-        const double d = double(s.factor_dim(which));
-        rc.decomposition_n3 += d * d * d;
+        const double t = machine_.decomposition_seconds(s, which);
+        rc.decomposition_n3 += s.unit_costs[std::size_t(which)].flops;
         rc.decomposition_seconds += t;
         clock[std::size_t(a.decomposer(l, which))] += t;
       }
@@ -461,7 +451,7 @@ class CostModel {
       if (skip[l] || s.decomposed_factors() == 0 || gw == 1) continue;  // one-rank groups send nothing
       std::vector<int> group;
       for (int j = 0; j < gw; ++j) group.push_back(a.rank_of(a.worker_group(l), j));
-      for (int which = 0; which < 2; ++which)
+      for (int which = 0; which < s.decomposed_factors(); ++which)
         for (std::size_t count : s.decomposition_buffer_counts(which)) {
           const std::size_t bytes = count * s.decomposition_scalar;
           p.ranks[std::size_t(a.decomposer(l, which))].decomposition_bytes_sent += bytes;
@@ -480,10 +470,17 @@ class CostModel {
       if (!skip[l] && options.split_preconditioning && world > 1 && gw > 1 && layers_[l].decomposed_factors() > 0)
         passes[l] = layers_[l].split_passes;
     const int most = passes.empty() ? 1 : std::max(1, *std::max_element(passes.begin(), passes.end()));
+    for (std::size_t l = 0; l < n; ++l)  // layers without units: every rank applies its own (NG-SGD)
+      if (!skip[l] && layers_[l].decomposed_factors() == 0)
+        for (int r = 0; r < world; ++r) {
+          const double t = machine_.preconditioning_seconds(layers_[l]);
+          p.ranks[std::size_t(r)].preconditioning_seconds += t;
+          clock[std::size_t(r)] += t;
+        }
     for (int pass = 0; pass < most; ++pass) {
       for (std::size_t l = 0; l < n; ++l) {
         const LayerShape& s = layers_[l];
-        if (skip[l] || s.decomposed_factors() == 0) continue;  // local layers: element-wise only
+        if (skip[l] || s.decomposed_factors() == 0) continue;  // local layers: above
         if (passes[l] == 0 ? pass > 0 : pass >= passes[l]) continue;
         const double t = machine_.preconditioning_seconds(s) / double(std::max(1, passes[l]));
         for (int j = 0; j < gw; ++j) {

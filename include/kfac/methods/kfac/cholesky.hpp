@@ -66,6 +66,12 @@ void apply_explicit_inverse_columns(const Exec& exec, const Matrix<T, Exec>& inv
 
 /// The split-preconditioning pass of the explicit-inverse policies: one pass, one all-gather.
 struct ExplicitInverseRows {
+  /// Preconditioning a g x a gradient: two GEMMs, \f$G^{-1} X A^{-1}\f$.
+  static Work apply_work(index_t g, index_t a) {
+    Work w;
+    w.gemm_flops = 2.0 * double(g) * double(a) * double(g + a);
+    return w;
+  }
   static constexpr int split_passes = 1;
   template <class Fact, class T, class Exec>
   static void apply_rows(const Exec& exec, const Fact& a, const Fact& g, const Matrix<T, Exec>& x, double,
@@ -95,7 +101,11 @@ struct Cholesky : impl::PiDamping<Cholesky<Backend>>, impl::ExplicitInverseRows 
   std::string settings() const { return this->pi_damping ? "pi" : ""; }
   /// Buffers of one factorization of an n x n factor: the damped inverse.
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
-  static impl::UnitCost cost(index_t n) { return {double(n) * n * n, double(n) * n}; }
+  static impl::UnitCost cost(index_t n) {
+    impl::UnitCost c{double(n) * n * n, double(n) * n};
+    c.work.factorization_n3 = c.flops;
+    return c;
+  }
 
   template <class T, class Exec>
   struct Factorization : impl::ExplicitInverse<T, Exec> {

@@ -55,7 +55,17 @@ struct Eigendecomposition {
   /// Buffers of one factorization of an n x n factor: Q and lambda.
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n, std::size_t(n)}; }
   /// Relative cost of one decomposition of an n x n factor, and of what it stores.
-  static impl::UnitCost cost(index_t n) { return {double(n) * n * n, double(n) * n}; }
+  static impl::UnitCost cost(index_t n) {
+    impl::UnitCost c{double(n) * n * n, double(n) * n};
+    c.work.eigh_n3 = c.flops;
+    return c;
+  }
+  /// Preconditioning a g x a gradient: four GEMMs, \f$Q_G^T X Q_A\f$ and back.
+  static Work apply_work(index_t g, index_t a) {
+    Work w;
+    w.gemm_flops = 4.0 * double(g) * double(a) * double(g + a);
+    return w;
+  }
 
   template <class T, class Exec>
   struct Factorization {

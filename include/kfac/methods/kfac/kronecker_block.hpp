@@ -298,7 +298,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
       (void)u;
       return {};
     } else {
-      return InversePolicy::cost(u == 0 ? na_ : ng_);
+      impl::UnitCost c = inversion_.cost(u == 0 ? na_ : ng_);
+      c.work.scalar = sizeof(D);
+      return c;
     }
   }
   std::vector<impl::BufferShape> unit_shapes(int u) const override {
@@ -438,6 +440,19 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     return r;
   }
 
+  /// Per observation row, forming it (a + g values written and read) and one syrk per factor,
+  /// n (n + 1) flops (diagonal factors: 2 n); preconditioning as the inversion policy states it
+  /// (diagonal factors: element-wise, not modelled).
+  BlockPlan plan() const override {
+    BlockPlan p;
+    const double a = double(na_), g = double(ng_);
+    p.statistics_per_row.gemm_flops = diagonal ? 2.0 * (a + g) : a * (a + 1) + g * (g + 1);
+    p.statistics_per_row.stream_bytes = 2.0 * double(sizeof(C)) * (a + g);
+    p.statistics_per_row.scalar = sizeof(C);
+    if constexpr (!diagonal) p.apply = inversion_.apply_work(ng_, na_);
+    p.apply.scalar = sizeof(D);
+    return p;
+  }
   MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const override {
     MemoryReport r{this->name(), kind(), 0, 0, 0};
     if (skipped) return r;  // a skipped Kronecker layer never allocates

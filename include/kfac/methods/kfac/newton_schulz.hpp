@@ -46,8 +46,13 @@ struct NewtonSchulz : impl::PiDamping<NewtonSchulz>, impl::ExplicitInverseRows {
     return s;
   }
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
-  /// About 30 iterations of two n^3 GEMMs in practice; the assignment balances n^3 either way.
-  static impl::UnitCost cost(index_t n) { return {double(n) * n * n, double(n) * n}; }
+  /// Two n^3 GEMMs per iteration (about 30 iterations in practice: the cost model assumes
+  /// MachineFigures::newton_schulz_iterations); the assignment balances n^3 either way.
+  static impl::UnitCost cost(index_t n) {
+    impl::UnitCost c{double(n) * n * n, double(n) * n};
+    c.work.iteration_flops = 4.0 * c.flops;
+    return c;
+  }
 
   template <class T, class Exec>
   struct Factorization : impl::ExplicitInverse<T, Exec> {

@@ -265,6 +265,16 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
       for (const auto& r : p->rows) m.workspace_bytes += r.span() * sizeof(Scalar);
     return m;
   }
+  /// Preconditioning: the GEMMs of apply(), 4 a g (r_in + r_out) + 2 r_in r_out (a + g) flops
+  /// (the estimates' updates, every update_period steps, are not modelled).
+  BlockPlan plan() const override {
+    BlockPlan p;
+    const double a = double(na_), g = double(ng_), ri = double(s_.rank_in), ro = double(s_.rank_out);
+    p.apply.gemm_flops = 4.0 * a * g * (ri + ro) + 2.0 * ri * ro * (a + g);
+    p.apply.scalar = sizeof(Scalar);
+    p.statistics_per_row.scalar = sizeof(Scalar);
+    return p;
+  }
   MemoryReport planned_memory(bool, bool skipped, bool) const override {
     MemoryReport m{this->name(), kind(), 0, 0, 0};
     if (skipped) return m;
