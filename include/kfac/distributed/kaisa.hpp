@@ -64,6 +64,10 @@ class KaisaState;
 /// | CommPrecision | comm_precision | payload type of factor averaging | native |
 /// | bool | background_sharing | with Options::decomposition_delay, broadcast a decomposition from the thread that computed it (MPI_THREAD_MULTIPLE, host memory) | true |
 /// | bool | overlap_communication | the step's collectives as nonblocking ones overlapped with its computation (the same bits and bytes) | true |
+/// | string, Placer | placement | who decomposes which unit and which worker group owns which layer (with_placement(name, placer)); every rank must pass the same name | "" (greedy_placement) |
+///
+/// A new assignment scheme is a Placer: a function that answers the PlacementProblem (e.g.
+/// round-robin owners); the averaging, sharing and gathering stay this policy's.
 struct Kaisa {
   using distribution_tag = void;
   static constexpr const char* name = "kaisa";
@@ -78,6 +82,8 @@ struct Kaisa {
   CommPrecision comm_precision = CommPrecision::native;
   bool background_sharing = true;
   bool overlap_communication = true;
+  std::string placement_name;  ///< enters the registration signature ("" for the greedy default)
+  Placer placement;            ///< empty: greedy_placement
 
   Kaisa& with_grad_worker_fraction(double f) { grad_worker_fraction = f; return *this; }
   Kaisa& with_assignment_cost(AssignmentCost c) { assignment_cost = c; return *this; }
@@ -89,6 +95,14 @@ struct Kaisa {
   Kaisa& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
   Kaisa& with_background_sharing(bool b) { background_sharing = b; return *this; }
   Kaisa& with_overlap_communication(bool b) { overlap_communication = b; return *this; }
+  /// Places layers and units with `placer` instead of greedy_placement; `name` identifies it
+  /// (ranks with different names refuse the first step, like any other differing setting).
+  Kaisa& with_placement(std::string name, Placer placer) {
+    if (name.empty() || !placer) throw Error("", "Kaisa::with_placement: expected a name and a placer");
+    placement_name = std::move(name);
+    placement = std::move(placer);
+    return *this;
+  }
 
   /// The settings kfac 0.2 read from Options' fields of the same names.
   static Kaisa from_options(const Options& o) {
@@ -147,7 +161,8 @@ class KaisaState {
            ";co=" + std::to_string(int(k_.colocate_factors)) + ";g=" + std::to_string(int(k_.group_layout)) +
            ";p=" + std::to_string(int(k_.comm_precision)) + ";o=" + std::to_string(int(k_.reduce_to_owner)) +
            ";sp=" + std::to_string(int(k_.split_preconditioning)) + ";bg=" + std::to_string(int(k_.background_sharing)) +
-           ";ov=" + std::to_string(int(k_.overlap_communication)) + ";b=" + std::to_string(k_.bucket_bytes) + ";";
+           ";ov=" + std::to_string(int(k_.overlap_communication)) + ";b=" + std::to_string(k_.bucket_bytes) + ";" +
+           (k_.placement_name.empty() ? "" : "pl=" + k_.placement_name + ";");
   }
   /// Collective: true on every rank when every rank passed the same signature.
   bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
@@ -163,7 +178,7 @@ class KaisaState {
         c[l].push_back(o.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
     units_.clear();
     for (const auto& u : costs) units_.push_back(int(u.size()));
-    assignment_ = WorkAssignment(comm_.size(), o.grad_worker_fraction, c, o.colocate_factors, o.group_layout);
+    assignment_ = WorkAssignment(comm_.size(), o.grad_worker_fraction, c, o.colocate_factors, o.group_layout, o.placement);
     if (!groups_made_ && comm_.size() > 1) {
       worker_ = comm_.split(assignment_.worker_group_of(comm_.rank()));
       receiver_ = comm_.split(assignment_.receiver_group_of(comm_.rank()));

@@ -15,6 +15,7 @@
 /// a cost (n^3 compute or n^2 memory), optionally keeping a layer's A and G on one rank.
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -26,6 +27,78 @@
 namespace kfac {
 
 
+/// \brief The question a placement answers: the groups exist (world / grad_workers worker
+/// groups of grad_workers ranks, member j of group k being rank_of(k, j)); each layer gets a
+/// worker group and each of its units a member of that group.
+struct PlacementProblem {
+  int world = 1, grad_workers = 1, worker_groups = 1;
+  GroupLayout layout = GroupLayout::contiguous_receivers;
+  /// Per layer, the cost of each of its decomposable units (none: closed form or skipped).
+  std::vector<std::vector<double>> costs;
+  bool colocate = true;  ///< Kaisa::colocate_factors (a placement may ignore it)
+  /// Member j (= receiver group j) of worker group k.
+  int rank_of(int k, int j) const {
+    return layout == GroupLayout::contiguous_workers ? k * grad_workers + j : k + j * worker_groups;
+  }
+};
+
+/// \brief A placement's answer: per layer its worker group, and the rank of each of its units.
+struct Placement {
+  std::vector<int> group;
+  std::vector<std::vector<int>> decomposer;
+};
+
+/// \brief A placement scheme (Kaisa::with_placement): a function of the problem; the
+/// assignment validates what it returns. Empty: greedy_placement.
+using Placer = std::function<Placement(const PlacementProblem&)>;
+
+/// \brief KAISA's placement: layers to worker groups, then units to ranks, each by greedy
+/// longest-processing-time first (largest total first, to the least loaded group; a layer's
+/// units to the least loaded member, all on one member when colocated).
+inline Placement greedy_placement(const PlacementProblem& p) {
+  const std::size_t n = p.costs.size();
+  Placement out;
+  out.group.assign(n, 0);
+  out.decomposer.assign(n, {});
+  auto total = [&](std::size_t l) { return std::accumulate(p.costs[l].begin(), p.costs[l].end(), 0.0); };
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return total(a) > total(b); });
+  std::vector<double> group_load(std::size_t(p.worker_groups), 0.0), rank_load(std::size_t(p.world), 0.0);
+  // The least loaded member of worker group k, members in group order.
+  auto least_member = [&](int k) {
+    int best = p.rank_of(k, 0);
+    for (int j = 1; j < p.grad_workers; ++j)
+      if (rank_load[std::size_t(p.rank_of(k, j))] < rank_load[std::size_t(best)]) best = p.rank_of(k, j);
+    return std::size_t(best);
+  };
+  for (std::size_t l : order) {
+    const double c = total(l);
+    const std::size_t k = std::size_t(std::min_element(group_load.begin(), group_load.end()) - group_load.begin());
+    out.group[l] = int(k);
+    group_load[k] += c;
+    auto& d = out.decomposer[l];
+    d.assign(p.costs[l].size(), p.rank_of(int(k), 0));
+    if (p.costs[l].empty()) continue;
+    if (p.colocate) {
+      const std::size_t r = least_member(int(k));
+      std::fill(d.begin(), d.end(), int(r));
+      rank_load[r] += c;
+      continue;
+    }
+    // larger unit first, each to the least loaded rank of the group
+    std::vector<std::size_t> units(p.costs[l].size());
+    std::iota(units.begin(), units.end(), 0);
+    std::stable_sort(units.begin(), units.end(), [&](std::size_t a, std::size_t b) { return p.costs[l][a] > p.costs[l][b]; });
+    for (std::size_t u : units) {
+      const std::size_t r = least_member(int(k));
+      rank_load[r] += p.costs[l][u];
+      d[u] = int(r);
+    }
+  }
+  return out;
+}
+
 class WorkAssignment {
  public:
   WorkAssignment() = default;
@@ -35,8 +108,10 @@ class WorkAssignment {
   ///        none for closed-form and skipped layers).
   /// \param colocate [in] decompose all units of a layer on the same rank.
   /// \param layout [in] which groups are consecutive ranks (see kfac::GroupLayout).
+  /// \param placer [in] who places layers and units (empty: greedy_placement); what it returns
+  ///        is checked (a kfac::Error names the first layer placed outside the groups).
   WorkAssignment(int world, double fraction, const std::vector<std::vector<double>>& costs,
-                 bool colocate, GroupLayout layout = GroupLayout::contiguous_receivers)
+                 bool colocate, GroupLayout layout = GroupLayout::contiguous_receivers, const Placer& placer = {})
       : world_(world), layout_(layout) {
     if (!(fraction >= 1.0 / world - 1e-12 && fraction <= 1.0 + 1e-12))
       throw Error("", "grad_worker_fraction = " + std::to_string(fraction) + ": expected a value in [1/" +
@@ -46,56 +121,15 @@ class WorkAssignment {
       throw Error("", "grad_worker_fraction = " + std::to_string(fraction) + " gives " +
                           std::to_string(gw_) + " gradient workers, which does not divide the " +
                           std::to_string(world) + " ranks");
-    const int groups = world / gw_;
-    groups_ = groups;
-    const std::size_t n = costs.size();
-    group_.assign(n, 0);
-    decomposer_.assign(n, {});
-    auto total = [&](std::size_t l) { return std::accumulate(costs[l].begin(), costs[l].end(), 0.0); };
-    std::vector<std::size_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::size_t a, std::size_t b) { return total(a) > total(b); });
-    std::vector<double> group_load(std::size_t(groups), 0.0), rank_load(std::size_t(world), 0.0);
-    auto least = [](const std::vector<double>& v, std::size_t lo, std::size_t hi) {
-      std::size_t best = lo;
-      for (std::size_t i = lo; i < hi; ++i)
-        if (v[i] < v[best]) best = i;
-      return best;
-    };
-    // The least loaded member of worker group k, members in group order.
-    auto least_member = [&](const std::vector<double>& load, int k) {
-      int best = rank_of(k, 0);
-      for (int j = 1; j < gw_; ++j)
-        if (load[std::size_t(rank_of(k, j))] < load[std::size_t(best)]) best = rank_of(k, j);
-      return std::size_t(best);
-    };
-    for (std::size_t l : order) {
-      const double c = total(l);
-      const std::size_t k = least(group_load, 0, group_load.size());
-      group_[l] = int(k);
-      group_load[k] += c;
-      auto& d = decomposer_[l];
-      d.assign(costs[l].size(), rank_of(int(k), 0));
-      if (costs[l].empty()) continue;
-      if (colocate) {
-        const std::size_t r = least_member(rank_load, int(k));
-        std::fill(d.begin(), d.end(), int(r));
-        rank_load[r] += c;
-        continue;
-      }
-      // larger unit first, each to the least loaded rank of the group
-      std::vector<std::size_t> units(costs[l].size());
-      std::iota(units.begin(), units.end(), 0);
-      std::stable_sort(units.begin(), units.end(),
-                       [&](std::size_t a, std::size_t b) { return costs[l][a] > costs[l][b]; });
-      for (std::size_t u : units) {
-        const std::size_t r = least_member(rank_load, int(k));
-        rank_load[r] += costs[l][u];
-        d[u] = int(r);
-      }
-    }
-    rank_load_ = rank_load;
+    groups_ = world / gw_;
+    const PlacementProblem problem{world, gw_, groups_, layout, costs, colocate};
+    Placement p = placer ? placer(problem) : greedy_placement(problem);
+    check(p, costs);
+    group_ = std::move(p.group);
+    decomposer_ = std::move(p.decomposer);
+    rank_load_.assign(std::size_t(world), 0.0);
+    for (std::size_t l = 0; l < costs.size(); ++l)
+      for (std::size_t u = 0; u < costs[l].size(); ++u) rank_load_[std::size_t(decomposer_[l][u])] += costs[l][u];
   }
 
   /// Two units (A, G) per layer, as costs pairs.
@@ -134,6 +168,22 @@ class WorkAssignment {
     return u;
   }
   bool contiguous() const { return layout_ == GroupLayout::contiguous_workers; }
+  /// A placement's answer fits the groups: one group per layer, one member of it per unit.
+  void check(const Placement& p, const std::vector<std::vector<double>>& costs) const {
+    if (p.group.size() != costs.size() || p.decomposer.size() != costs.size())
+      throw Error("", "placement: expected a worker group and a decomposer list for each of the " +
+                          std::to_string(costs.size()) + " layers");
+    for (std::size_t l = 0; l < costs.size(); ++l) {
+      const std::string which = "placement of layer " + std::to_string(l) + ": ";
+      if (p.group[l] < 0 || p.group[l] >= groups_)
+        throw Error("", which + "worker group " + std::to_string(p.group[l]) + " is not in [0, " + std::to_string(groups_) + ")");
+      if (p.decomposer[l].size() != costs[l].size())
+        throw Error("", which + "expected " + std::to_string(costs[l].size()) + " decomposers, one per unit");
+      for (int r : p.decomposer[l])
+        if (r < 0 || r >= world_ || worker_group_of(r) != p.group[l])
+          throw Error("", which + "rank " + std::to_string(r) + " is not a member of its worker group " + std::to_string(p.group[l]));
+    }
+  }
   int world_ = 1, gw_ = 1, groups_ = 1;
   GroupLayout layout_ = GroupLayout::contiguous_receivers;
   std::vector<int> group_;

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "kfac/distributed/bucketing.hpp"
+#include "kfac/distributed/kaisa.hpp"
 #include "kfac/distributed/work_assignment.hpp"
 #include "kfac/layers/conv2d.hpp"
 #include "kfac/layers/dense.hpp"
@@ -343,9 +344,11 @@ struct CostPrediction {
 /// \brief Predicts per-rank costs of distributed K-FAC for a fixed list of layers.
 ///
 /// The layer list must be in registration order (placement ties and the layer-by-layer
-/// schedule depend on it). Options supply the distribution settings exactly as the
-/// Preconditioner reads them: grad_worker_fraction, assignment_cost, colocate_factors,
-/// bucket_bytes, reduce_to_owner, split_preconditioning, comm_precision, precompute_reciprocal, skip_layers, and the intervals at step 0.
+/// schedule depend on it). The distribution's settings come from a kfac::Kaisa policy object
+/// (grad_worker_fraction, assignment_cost, colocate_factors, group_layout, placement,
+/// bucket_bytes, reduce_to_owner, split_preconditioning, comm_precision), or from Options as a
+/// Preconditioner built without one reads them; Options supply precompute_reciprocal,
+/// skip_layers, kl_clip and the intervals at step 0.
 class CostModel {
  public:
   /// An empty model: describe the layers with add(), in registration order.
@@ -388,8 +391,14 @@ class CostModel {
   const MachineFigures& machine() const { return machine_; }
 
   /// \param world [in] number of ranks.
-  /// \param options [in] the Preconditioner's options (grad_worker_fraction is f).
+  /// \param options [in] the Preconditioner's options; the distribution's settings are read
+  ///        from them as a Preconditioner built without a policy object reads them.
   CostPrediction predict(int world, const Options& options = Options{}) const {
+    return predict(world, options, Kaisa::from_options(options));
+  }
+  /// \param policy [in] the kfac::Kaisa policy object passed to the Preconditioner (its
+  ///        placement included), with `options` holding the rest.
+  CostPrediction predict(int world, const Options& options, const Kaisa& policy) const {
     if (world < 1) throw Error("", "cost model: expected world >= 1");
     const StepValues v = StepValues::at(options, 0);
     CostPrediction p;
@@ -403,10 +412,10 @@ class CostModel {
       skip[l] = skipped(layers_[l], options);
       if (!skip[l])
         for (const auto& u : layers_[l].unit_costs)
-          costs[l].push_back(options.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
+          costs[l].push_back(policy.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
     }
-    p.assignment = WorkAssignment(world, options.grad_worker_fraction, costs, options.colocate_factors,
-                                  options.group_layout);
+    p.assignment = WorkAssignment(world, policy.grad_worker_fraction, costs, policy.colocate_factors,
+                                  policy.group_layout, policy.placement);
     const WorkAssignment& a = p.assignment;
     const int gw = a.grad_workers();
 
@@ -424,7 +433,7 @@ class CostModel {
       if (!skip[l] && rows > 0) p.factor_compute_seconds += machine_.factor_seconds(layers_[l], (rows + world - 1) / world);
     }
     for (auto& rc : p.ranks) rc.factor_seconds = p.factor_compute_seconds;
-    factor_averaging(p, skip, options);
+    factor_averaging(p, skip, policy);
 
     // Decomposition phase, replaying Preconditioner::decompose: every rank first runs its own
     // decompositions, then all ranks agree on failures (one allreduce of a long), then the
@@ -467,7 +476,7 @@ class CostModel {
     std::fill(clock.begin(), clock.end(), 0.0);
     std::vector<int> passes(n, 0);  // of the divided applies (0: whole)
     for (std::size_t l = 0; l < n; ++l)
-      if (!skip[l] && options.split_preconditioning && world > 1 && gw > 1 && layers_[l].decomposed_factors() > 0)
+      if (!skip[l] && policy.split_preconditioning && world > 1 && gw > 1 && layers_[l].decomposed_factors() > 0)
         passes[l] = layers_[l].split_passes;
     const int most = passes.empty() ? 1 : std::max(1, *std::max_element(passes.begin(), passes.end()));
     for (std::size_t l = 0; l < n; ++l)  // layers without units: every rank applies its own (NG-SGD)
@@ -542,7 +551,7 @@ class CostModel {
   /// Replays the factor averaging of kfac::Kaisa: the collectives of impl::factor_buckets
   /// (per storage type: binary16, which travels as float, float, double; with reduce_to_owner, each decomposed factor summed only
   /// to its decomposer: one MPI_Reduce, counted once, instead of a reduce and a broadcast).
-  void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Options& o) const {
+  void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Kaisa& o) const {
     if (p.world == 1) return;
     std::size_t sent = 0, staging = 0;
     std::vector<std::size_t> counts, sizes;
