@@ -14,6 +14,8 @@
 
 #include <kfac/kfac.hpp>
 
+#include "toy_dense_block.hpp"
+
 namespace kfac_test {
 
 /// How ScaledIdentity's decompose() fails on this process (none: it succeeds).
@@ -23,31 +25,21 @@ inline ToyFailure toy_fail = ToyFailure::none;
 inline long toy_decompose_calls = 0;
 
 template <class Scalar, class Exec>
-class ScaledIdentityBlock final : public kfac::impl::Block<Scalar, Exec> {
-  using base = kfac::impl::Block<Scalar, Exec>;
+class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
+  using base = DenseToyBlock<Scalar, Exec>;
   using M = typename Exec::memory_space;
-  static_assert(Kokkos::SpaceAccessibility<Kokkos::HostSpace, M>::accessible,
-                "the toy method computes on the host");
   using Vec = Kokkos::View<double*, M>;
-  using Mat = Kokkos::View<double**, Kokkos::LayoutRight, M>;
+  using Mat = typename base::Mat;
 
  public:
   using typename base::grad_matrix;
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  ScaledIdentityBlock(std::string name, const kfac::Dense& layer) : base(std::move(name)), layer_(layer) {}
+  ScaledIdentityBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer) {}
 
   const char* kind() const override { return "toy"; }
-  std::string signature() const override { return layer_.describe() + "/scaled_identity"; }
-  kfac::index_t weight_rows() const override { return layer_.out(); }
-  kfac::index_t weight_cols() const override { return layer_.in(); }
-  bool has_bias() const override { return layer_.bias(); }
-
-  std::string check_input(const kfac::impl::Extents& e) const override { return layer_.check_input(e); }
-  std::string check_output_grad(const kfac::impl::Extents& e) const override {
-    return layer_.check_output_grad(e, e);
-  }
+  std::string signature() const override { return this->layer_.describe() + "/scaled_identity"; }
   void observe_input(const Exec&, const tensor_type& x) override {
     for (std::size_t i = 0; i < x.span(); ++i) sumsq_ += double(x.data()[i]) * double(x.data()[i]);
     count_ += double(x.span());
@@ -100,12 +92,8 @@ class ScaledIdentityBlock final : public kfac::impl::Block<Scalar, Exec> {
   std::vector<kfac::impl::Buffer> unit_buffers(int) override { return {kfac::impl::buffer_of(inv_)}; }
 
   void load_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
-    const int rows = int(layer_.out()), cols = int(layer_.in()) + (layer_.bias() ? 1 : 0);
-    if (x_.extent(0) == 0) { x_ = Mat("toy::x", rows, cols); out_ = Mat("toy::out", rows, cols); }
-    for (int i = 0; i < rows; ++i) {
-      for (int j = 0; j < int(layer_.in()); ++j) x_(i, j) = double(w(i, j));
-      if (layer_.bias()) x_(i, cols - 1) = double(b(i));
-    }
+    if (x_.extent(0) == 0) { x_ = Mat("toy::x", this->g_, this->c_); out_ = Mat("toy::out", this->g_, this->c_); }
+    this->copy_gradient(w, b, x_);
   }
   void apply(const Exec&, double) override {
     for (std::size_t i = 0; i < x_.span(); ++i) out_.data()[i] = x_.data()[i] * inv_(0);
@@ -117,18 +105,14 @@ class ScaledIdentityBlock final : public kfac::impl::Block<Scalar, Exec> {
   }
   kfac::impl::Buffer preconditioned() override { return kfac::impl::buffer_of(out_); }
   void write_back(const Exec&, const grad_matrix& w, const grad_vector& b, double nu) override {
-    const int cols = int(out_.extent(1));
-    for (int i = 0; i < int(layer_.out()); ++i) {
-      for (int j = 0; j < int(layer_.in()); ++j) w(i, j) = Scalar(nu * out_(i, j));
-      if (layer_.bias()) b(i) = Scalar(nu * out_(i, cols - 1));
-    }
+    this->store_gradient(out_, nu, w, b);
   }
   kfac::MemoryReport memory() const override {
     return {this->name(), kind(), (s_.span() + counter_.span()) * 8, inv_.span() * 8,
             (x_.span() + out_.span()) * 8};
   }
   kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
-    const std::size_t x = std::size_t(layer_.out()) * (layer_.in() + (layer_.bias() ? 1 : 0));
+    const std::size_t x = std::size_t(this->g_) * std::size_t(this->c_);
     if (skipped) return {this->name(), kind(), 0, 0, 0};
     return {this->name(), kind(), 16, holder ? 8u : 0u, 2 * x * 8};
   }
@@ -142,7 +126,6 @@ class ScaledIdentityBlock final : public kfac::impl::Block<Scalar, Exec> {
     if (s_.extent(0) == 0) { s_ = Vec("toy::s", 1); counter_ = Vec("toy::counter", 1); }
   }
 
-  kfac::Dense layer_;
   double sumsq_ = 0, count_ = 0;
   long inputs_ = 0;
   bool has_ = false;

@@ -114,6 +114,10 @@ struct UnitCost {
 /// - observations: checks that return why an observation is refused (empty when valid), then
 ///   observe_*; pending observations become statistics only in update_statistics(), and stay
 ///   pending until clear_observations(), so a step that fails can be retried;
+/// - statistics from the gradient (Shampoo-like methods): observe_gradient(w, b) is called on
+///   each statistics-update step, just before update_statistics(), with this step's (validated)
+///   gradient. What it takes is pending like an observation, and a retried step calls it again:
+///   the new call replaces what the failed attempt took (never adds to it). Default: nothing;
 /// - state: averaged_state() is what the replica group averages after each statistics update
 ///   (K-FAC: the running factors); checkpoint_state() is what a checkpoint must hold to resume
 ///   (everything averaged, plus state that must never be averaged, e.g. a method's private
@@ -155,6 +159,10 @@ class Block {
   /// factor's trace); a reduced-precision payload is checked against it. 0: not known.
   virtual double observations_scale() const { return 0; }
   virtual void clear_observations() = 0;
+  /// Statistics from the gradient: called on statistics-update steps, before
+  /// update_statistics(), with the gradient set for this step; replaces (not adds to) what an
+  /// earlier call of the same step took, so a failed step can be retried (see the contract).
+  virtual void observe_gradient(const Exec&, const grad_matrix&, const grad_vector&) {}
 
   /// Folds the pending observations into the running statistics (kept pending, see above).
   virtual void update_statistics(const Exec& exec, double decay) = 0;

@@ -140,6 +140,7 @@ class StepPhases {
           zero(exec_, old[k].storage);
         } else bases.push_back(dist_.sends_increments(o_, old[k].storage.scalar_size) ? keep(old[k].storage) : nullptr);
       }
+      e.block->observe_gradient(exec_, e.w, e.b);  // Shampoo-like statistics; a no-op for the others
       e.block->update_statistics(exec_, decay);
       auto now = e.block->averaged_state();  // the first update allocates the storage
       for (std::size_t k = 0; k < now.size(); ++k) {

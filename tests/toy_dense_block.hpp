@@ -1,0 +1,54 @@
+#pragma once
+// What the toy methods of the tests (toy_method.hpp, toy_shampoo.hpp) share for a Dense layer:
+// its identity and shape checks, and its gradient as a g x c double matrix on the host (the bias
+// as the last column when the layer has one).
+#include <Kokkos_Core.hpp>
+#include <string>
+
+#include <kfac/kfac.hpp>
+
+namespace kfac_test {
+
+template <class Scalar, class Exec>
+class DenseToyBlock : public kfac::impl::Block<Scalar, Exec> {
+  using base = kfac::impl::Block<Scalar, Exec>;
+  static_assert(Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible,
+                "the toy methods compute on the host");
+
+ public:
+  using typename base::grad_matrix;
+  using typename base::grad_vector;
+  using Mat = Kokkos::View<double**, Kokkos::LayoutRight, typename Exec::memory_space>;
+
+  DenseToyBlock(std::string name, const kfac::Dense& layer)
+      : base(std::move(name)), layer_(layer), g_(int(layer.out())), c_(int(layer.in()) + (layer.bias() ? 1 : 0)) {}
+
+  kfac::index_t weight_rows() const override { return layer_.out(); }
+  kfac::index_t weight_cols() const override { return layer_.in(); }
+  bool has_bias() const override { return layer_.bias(); }
+  std::string check_input(const kfac::impl::Extents& e) const override { return layer_.check_input(e); }
+  std::string check_output_grad(const kfac::impl::Extents& e) const override {
+    return layer_.check_output_grad(e, e);
+  }
+
+ protected:
+  /// to = [w b] (g x c).
+  void copy_gradient(const grad_matrix& w, const grad_vector& b, const Mat& to) const {
+    for (int i = 0; i < g_; ++i) {
+      for (int j = 0; j < int(layer_.in()); ++j) to(i, j) = double(w(i, j));
+      if (layer_.bias()) to(i, c_ - 1) = double(b(i));
+    }
+  }
+  /// [w b] = nu from.
+  void store_gradient(const Mat& from, double nu, const grad_matrix& w, const grad_vector& b) const {
+    for (int i = 0; i < g_; ++i) {
+      for (int j = 0; j < int(layer_.in()); ++j) w(i, j) = Scalar(nu * from(i, j));
+      if (layer_.bias()) b(i) = Scalar(nu * from(i, c_ - 1));
+    }
+  }
+
+  kfac::Dense layer_;
+  int g_, c_;  ///< the gradient matrix's rows and columns
+};
+
+}  // namespace kfac_test

@@ -1,0 +1,167 @@
+#pragma once
+// A method whose statistics come from the gradient, defined outside the library, to check that
+// Block::observe_gradient is all such a method needs. Shampoo (Gupta, Koren and Singer 2018,
+// "Shampoo: Preconditioned Stochastic Tensor Optimization"), for a Dense layer: the gradient X
+// (g x c, the bias as a last column when the layer has one) gives running averages
+// L <- decay L + (1 - decay) X X^T (g x g) and R <- decay R + (1 - decay) X^T X (c x c), averaged
+// over the ranks; the two decomposable units compute (L + eps I)^{-1/4} and (R + eps I)^{-1/4}
+// (eps: the damping) by a symmetric eigendecomposition on the host; V = (L + eps I)^{-1/4} X
+// (R + eps I)^{-1/4}. The first update sets L = X X^T and R = X^T X.
+#include <Eigen/Dense>
+#include <Kokkos_Core.hpp>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <kfac/kfac.hpp>
+
+#include "toy_dense_block.hpp"
+
+namespace kfac_test {
+
+template <class Scalar, class Exec>
+class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
+  using base = DenseToyBlock<Scalar, Exec>;
+  using Mat = typename base::Mat;
+  using Rows = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Map = Eigen::Map<Rows>;
+  using base::c_;
+  using base::g_;
+
+ public:
+  using typename base::grad_matrix;
+  using typename base::grad_vector;
+  using typename base::tensor_type;
+
+  ShampooBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer) {}
+
+  const char* kind() const override { return "shampoo"; }
+  std::string signature() const override { return this->layer_.describe() + "/shampoo"; }
+
+  // Observations are checked for their shape (DenseToyBlock) and not used: the statistics come
+  // from the gradient.
+  void observe_input(const Exec&, const tensor_type&) override {}
+  void observe_output_grad(const Exec&, const tensor_type&, double) override {}
+  std::string observations_problem() const override { return {}; }  // the core checks the gradient
+  bool observations_overflow() const override { return false; }
+  void clear_observations() override { pending_set_ = false; }
+  /// Takes this step's gradient as the pending statistics' source (a retry replaces it).
+  void observe_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
+    if (pending_.extent(0) == 0) pending_ = Mat("shampoo::pending", g_, c_);
+    this->copy_gradient(w, b, pending_);
+    pending_set_ = true;
+  }
+
+  void update_statistics(const Exec&, double decay) override {
+    if (!pending_set_) throw kfac::Error(this->name(), "update_statistics without a gradient observed");
+    allocate_state_buffers();
+    const Map x = map(pending_);
+    const Rows l = x * x.transpose(), r = x.transpose() * x;
+    Map lm = map(l_), rm = map(r_);
+    if (has_) {
+      lm = decay * lm + (1 - decay) * l;
+      rm = decay * rm + (1 - decay) * r;
+    } else {
+      lm = l;
+      rm = r;
+    }
+    has_ = true;
+  }
+  bool has_statistics() const override { return has_; }
+  std::vector<kfac::impl::FactorBuffer> averaged_state() override {
+    return {{kfac::impl::buffer_of(l_), g_, true, false}, {kfac::impl::buffer_of(r_), c_, true, false}};
+  }
+  std::vector<kfac::impl::Buffer> checkpoint_state() override {
+    return {kfac::impl::buffer_of(l_), kfac::impl::buffer_of(r_)};
+  }
+  std::vector<kfac::impl::BufferShape> checkpoint_shapes() const override {
+    return {{squared(g_), 8}, {squared(c_), 8}};
+  }
+  void allocate_state() override { allocate_state_buffers(); has_ = true; }
+  void release_state() override { l_ = Mat(); r_ = Mat(); has_ = false; }
+
+  int units() const override { return 2; }
+  kfac::impl::UnitCost unit_cost(int u) const override {
+    const double n = dim(u);
+    kfac::impl::UnitCost cost{n * n * n, n * n};
+    cost.work.eigh_n3 = n * n * n;
+    return cost;
+  }
+  std::vector<kfac::impl::BufferShape> unit_shapes(int u) const override { return {{squared(dim(u)), 8}}; }
+  void allocate_units() override {
+    if (pl_.extent(0) == 0) { pl_ = Mat("shampoo::l_root", g_, g_); pr_ = Mat("shampoo::r_root", c_, c_); }
+  }
+  void release_units() override { pl_ = Mat(); pr_ = Mat(); }
+  /// Unit u's (F + damping I)^{-1/4}, F = L (u = 0) or R (u = 1), through F = Q diag(lambda) Q^T.
+  void decompose(const Exec&, int u, double damping) override {
+    allocate_units();
+    const Rows f = map(u == 0 ? l_ : r_);
+    const Eigen::SelfAdjointEigenSolver<Rows> eig(f);
+    if (eig.info() != Eigen::Success) throw kfac::Error(this->name(), "eigendecomposition failed");
+    Eigen::VectorXd root = eig.eigenvalues().array() + damping;
+    if (!(root.minCoeff() > 0)) throw kfac::Error(this->name(), "statistic + damping is not positive definite");
+    root = root.array().pow(-0.25);
+    map(u == 0 ? pl_ : pr_) = eig.eigenvectors() * root.asDiagonal() * eig.eigenvectors().transpose();
+  }
+  std::vector<kfac::impl::Buffer> unit_buffers(int u) override { return {kfac::impl::buffer_of(u == 0 ? pl_ : pr_)}; }
+
+  void load_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
+    if (x_.extent(0) == 0) { x_ = Mat("shampoo::x", g_, c_); out_ = Mat("shampoo::out", g_, c_); }
+    this->copy_gradient(w, b, x_);
+  }
+  void apply(const Exec&, double) override { map(out_) = map(pl_) * map(x_) * map(pr_); }
+  double inner_product(const Exec&) const override { return map(out_).cwiseProduct(map(x_)).sum(); }
+  kfac::impl::Buffer preconditioned() override { return kfac::impl::buffer_of(out_); }
+  void write_back(const Exec&, const grad_matrix& w, const grad_vector& b, double nu) override {
+    this->store_gradient(out_, nu, w, b);
+  }
+  kfac::MemoryReport memory() const override {
+    return {this->name(), kind(), (l_.span() + r_.span()) * 8, (pl_.span() + pr_.span()) * 8,
+            (x_.span() + out_.span() + pending_.span()) * 8};
+  }
+  /// After a step every rank holds L, R, X, V and the pending gradient; holders also the roots.
+  kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
+    if (skipped) return {this->name(), kind(), 0, 0, 0};
+    const std::size_t squares = (squared(g_) + squared(c_)) * 8;  // L and R, or their roots
+    return {this->name(), kind(), squares, holder ? squares : 0, 3 * std::size_t(g_) * c_ * 8};
+  }
+  /// Preconditioning: (L root) X, then times (R root). The statistics' two products come from
+  /// the gradient, once per update whatever the batch, which BlockPlan's per-row term cannot
+  /// state: they are left unpriced.
+  kfac::BlockPlan plan() const override {
+    kfac::BlockPlan p;
+    p.apply.gemm_flops = 2.0 * g_ * c_ * (g_ + c_);
+    return p;
+  }
+
+  /// The running statistics L and R, for the tests (column-major copies).
+  Eigen::MatrixXd left() const { return map(l_); }
+  Eigen::MatrixXd right() const { return map(r_); }
+
+ private:
+  static std::size_t squared(int n) { return std::size_t(n) * std::size_t(n); }
+  int dim(int u) const { return u == 0 ? g_ : c_; }
+  static Map map(const Mat& m) { return Map(m.data(), m.extent(0), m.extent(1)); }
+  void allocate_state_buffers() {
+    if (l_.extent(0) == 0) { l_ = Mat("shampoo::l", g_, g_); r_ = Mat("shampoo::r", c_, c_); }
+  }
+
+  bool has_ = false, pending_set_ = false;
+  Mat pending_, l_, r_, pl_, pr_, x_, out_;
+};
+
+/// \brief The toy Shampoo method object (Dense layers only).
+struct Shampoo : kfac::impl::LayerOverrides<Shampoo> {
+  using method_tag = void;
+  static constexpr const char* name = "shampoo";
+  template <class L>
+  static constexpr bool accepts = std::is_same<L, kfac::Dense>::value;
+  template <class Scalar, class Exec, class LayerType>
+  std::unique_ptr<kfac::impl::Block<Scalar, Exec>> make_block(const std::string& n, const LayerType& layer) const {
+    return std::make_unique<ShampooBlock<Scalar, Exec>>(n, layer);
+  }
+};
+
+}  // namespace kfac_test
