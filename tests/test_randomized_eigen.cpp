@@ -132,6 +132,7 @@ TEST_CASE("settings, signatures and buffer counts", "[inverse][randomized]") {
   large.register_layer("fc", kfac::Dense(30, 5), kfac::KFAC<kfac::Symmetric, RE>(RE{}.with_rank(8)));
   CHECK(small.layer_as<RLayer<>>("fc").signature().find("/randomized_eigen[exact]/") != std::string::npos);
   CHECK(large.layer_as<RLayer<>>("fc").signature().find("/randomized_eigen[r=8,p=16,q=1]/") != std::string::npos);
+  CHECK(large.layer_as<RLayer<>>("fc").split_passes() == 0);  // split preconditioning leaves it whole
 }
 
 TEST_CASE("rank >= n: Eigendecomposition, bit for bit", "[inverse][randomized][exact]") {
