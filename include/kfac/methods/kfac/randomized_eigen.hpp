@@ -17,9 +17,10 @@
 /// \f$\mathrm{tr}((I - UU^T) F (I - UU^T))/(n - k)\f$ (the Ritz values sum to
 /// \f$\mathrm{tr}(U^T F U)\f$), which makes \f$c\,(I - UU^T)\f$ the closest multiple of the projector
 /// to F's compression onto the complement in the Frobenius norm, and keeps \f$\mathrm{tr}(\tilde F) =
-/// \mathrm{tr}(F)\f$. Puiu's alternative c = 0 treats every direction outside U as a zero eigenvalue,
-/// so the damped inverse amplifies the whole complement by \f$1/\gamma\f$; the mean bounds it by
-/// \f$1/(c\,\lambda + \gamma)\f$ as the true tail eigenvalues would, on average.
+/// \mathrm{tr}(F)\f$. A plain truncation, c = 0 (one of the choices Puiu weighs), treats every
+/// direction outside U as a zero eigenvalue, so the damped inverse amplifies the whole complement
+/// by \f$1/\gamma\f$; the mean divides it by its average curvature, as the exact solve would on
+/// average.
 ///
 /// The preconditioned gradient is the exact solve with the approximated factors,
 /// \f$\mathrm{mat}((\tilde G \otimes \tilde A + \gamma I)^{-1}\mathrm{vec}(X))\f$: X splits into
@@ -108,10 +109,10 @@ void orthonormalize(const Exec& exec, Matrix<T, Exec>& y, Matrix<T, Exec>& tmp, 
     const auto th = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), theta);
     const double top = th(l - 1) > 0 ? double(th(l - 1)) : 0.0;
     const double shift = pass == 0 ? l * eps * top : 0.0, floor = eps * (top > 0 ? top : 1.0);
-    std::vector<int> replaced;
+    std::vector<int> replaced;  // directions Y does not resolve (NaN included): random columns instead
     for (int i = 0; i < l; ++i) {
+      if (pass == 0 && !(double(th(i)) > shift)) replaced.push_back(i);
       const double t = double(th(i)) + shift;
-      if (pass == 0 && !(t > 2 * shift)) replaced.push_back(i);
       scale_host(i) = T(1 / std::sqrt(t > floor ? t : floor));
     }
     Kokkos::deep_copy(scale, scale_host);
@@ -197,9 +198,9 @@ void low_rank_reciprocal(const Exec& exec, const LowRankPair<T, Exec>& f, double
 /// w(\lambda_{G,i}, c_A) - s_4\f$, \f$\beta_j = w(c_G, \lambda_{A,j}) - s_4\f$ (core_coefficient):
 /// \f[ V = s_4 X + U_G \left[\mathrm{diag}(\alpha) K + (S \odot C) U_A^T\right]
 ///       + M\,\mathrm{diag}(\beta)\,U_A^T, \f]
-/// 2 g a (k_G + k_A) + k_G k_A (a + ...) multiply-adds; the terms of an exact factor's (empty)
-/// complement are left out. Both exact: Eigendecomposition's apply, bit for bit. K, S and M
-/// live in `work` and `out` (x's shape); `r` is low_rank_reciprocal's or empty.
+/// six GEMMs, 2 g a (k_G + k_A) + 2 a k_G k_A multiply-adds; the terms of an exact factor's
+/// (empty) complement are left out. Both exact: Eigendecomposition's apply, bit for bit. K, S
+/// and M live in `work` and `out` (x's shape); `r` is low_rank_reciprocal's or empty.
 template <class T, class Exec>
 void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matrix<T, Exec>& x, double damping,
                     const Matrix<T, Exec>& r, const Matrix<T, Exec>& work, const Matrix<T, Exec>& out) {
