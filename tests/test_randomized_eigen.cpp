@@ -225,6 +225,27 @@ TEST_CASE("rank < n: the dense solve with the returned low-rank-plus-identity fa
     const MatrixXd fa = approximation(*layer.decomposition_a()), fg = approximation(*layer.decomposition_g());
     CHECK(rel_err(got, dense_kronecker_solve(fa, fg, x, 1e-2)) < 1e-4);
   }
+  SECTION("binary16 factors, float decompositions: finite, near the float result") {
+    kfac::Preconditioner<float, Host> half(plain_options(1e-2)), single(plain_options(1e-2));
+    half.register_layer("fc", kfac::Dense(30, 14, false), kfac::KFAC<kfac::Symmetric, RE, kfac::HalfPrecision>(RE{}.with_rank(4)));
+    single.register_layer("fc", kfac::Dense(30, 14, false), kfac::KFAC<kfac::Symmetric, RE, kfac::SinglePrecision>(RE{}.with_rank(4)));
+    Rng rng(6);
+    auto xin = random_view<float>(64, 30, rng);
+    auto g = random_view<float>(64, 14, rng);
+    auto w = random_view<float>(14, 30, rng);
+    auto w2 = clone(w);
+    for (auto* p : {&half, &single}) {
+      p->observe_input("fc", xin);
+      p->observe_output_grad("fc", g);
+    }
+    half.set_gradient("fc", w);
+    single.set_gradient("fc", w2);
+    half.step();
+    single.step();
+    const MatrixXd a = to_eigen(w), b = to_eigen(w2);
+    CHECK(a.allFinite());
+    CHECK(rel_err(a, b) < 2e-2);  // binary16 factors: 3 decimal digits
+  }
 }
 
 TEST_CASE("known spectrum: the top eigenpairs, and the solve, within their bounds", "[inverse][randomized][spectrum]") {

@@ -324,16 +324,17 @@ struct RandomizedEigen {
     const std::size_t k = std::size_t(kept(n));
     return {std::size_t(n) * k, k, 1};
   }
-  /// Relative cost of one decomposition of an n x n factor (multiply-adds: (q + 2) products
-  /// F Y of n^2 l, the orthonormalizations' 1.5 n l^2 per pass, 2 (q + 1) + 1 passes, and the
-  /// Rayleigh-Ritz n l^2 + n l k; n^3 when decomposed exactly, as Eigendecomposition's), and of
-  /// what it stores (n k + k + 1).
+  /// Relative cost of one decomposition of an n x n factor, and of what it stores (n k + k + 1).
+  /// n^3 when decomposed exactly (k + p >= n), as Eigendecomposition's; else the GEMMs'
+  /// multiply-adds, (q + 2) products F Y of n^2 l, 2q + 3 SVQB passes of 1.5 n l^2 (syrk and
+  /// Y W), the Rayleigh-Ritz step's n l^2 + n l k, plus l^3 for each of the 2q + 4 small eighs.
   impl::UnitCost cost(index_t n) const {
     const double k = kept(n), l = std::min<double>(k + oversampling, n), nn = n;
     const double memory = nn * k + k + 1;
     if (l >= nn) return {nn * nn * nn, memory};
     const double q = power_iterations;
-    return {(q + 2) * nn * nn * l + 1.5 * (2 * q + 3) * nn * l * l + nn * l * l + nn * l * k, memory};
+    const double gemms = (q + 2) * nn * nn * l + 1.5 * (2 * q + 3) * nn * l * l + nn * l * l + nn * l * k;
+    return {gemms + (2 * q + 4) * l * l * l, memory};
   }
 
   template <class T, class Exec>
