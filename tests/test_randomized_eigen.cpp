@@ -192,6 +192,19 @@ TEST_CASE("rank < n: the dense solve with the returned low-rank-plus-identity fa
       }
     }
   }
+  SECTION("a damping schedule: precomputed coefficients keep their decomposition's damping") {
+    // Decompositions at steps 0 and 2; the damping is 1e-2 at step 0 and 1e-3 from step 1 on.
+    for (const bool precompute : {false, true}) {
+      Pre pre(plain_options(damping).with_precompute_reciprocal(precompute).with_inv_update_steps(2));
+      const auto method = kfac::KFAC<kfac::Symmetric, RE>(RE{}.with_rank(4).with_oversampling(3))
+                              .with_damping([](long step) { return step == 0 ? 1e-2 : 1e-3; });
+      one_step(pre, 30, 14, 64, 11, method);
+      const auto [x, got] = one_step(pre, 30, 14, 64, 12, method, false);  // step 1, no decomposition
+      INFO("precompute " << precompute);
+      CHECK(against_own_operator<RE>(pre, x, got, precompute ? 1e-2 : 1e-3) < 1e-10);
+      CHECK(against_own_operator<RE>(pre, x, got, precompute ? 1e-3 : 1e-2) > 1e-3);
+    }
+  }
   SECTION("portable small eigh (Jacobi), and its agreement with LAPACK's") {
     using Portable = kfac::RandomizedEigen<kfac::PortableBackend>;
     Pre lapack(plain_options(damping)), portable(plain_options(damping));

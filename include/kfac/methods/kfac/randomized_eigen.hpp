@@ -167,40 +167,49 @@ struct LowRankPair {
   Vector<T, Exec> la, lg, ca, cg;
 };
 
-/// \brief The coefficient of the \f$U_G^T X U_A\f$ block once the other three blocks are taken
-/// as \f$s_4 X + U_G\,\mathrm{diag}(\alpha)\,U_G^T X + X U_A\,\mathrm{diag}(\beta)\,U_A^T\f$ (see
-/// low_rank_apply), with \f$w(x, y) = 1/(xy + \gamma)\f$: \f$w(\lambda_{G,i}, \lambda_{A,j}) -
-/// w(\lambda_{G,i}, c_A) - w(c_G, \lambda_{A,j}) + w(c_G, c_A)\f$, a term present only where its
-/// complement is (`has_a`: \f$k_A < a\f$, `has_g`: \f$k_G < g\f$).
+/// \brief A coefficient of low_rank_apply, with \f$w(x, y) = 1/(xy + \gamma)\f$:
+/// \f$w(x, y) - [\mathrm{sub}_A]\,w(x, c_A) - [\mathrm{sub}_G]\,w(c_G, y) +
+/// [\mathrm{sub}_A \wedge \mathrm{sub}_G]\,w(c_G, c_A)\f$. With x, y a kept eigenvalue of G and
+/// of A and sub_A, sub_G "that factor has a complement" it is the core coefficient C_ij; with
+/// y = c_A and sub_A false it is \f$\alpha_i\f$; with x = c_G and sub_G false \f$\beta_j\f$; with
+/// both scales and neither flag \f$s_4\f$.
 template <class T>
-KOKKOS_INLINE_FUNCTION T core_coefficient(T lg, T la, T cg, T ca, T d, bool has_g, bool has_a) {
-  const T d2 = has_a ? T(1) / (lg * ca + d) : T(0);
-  const T d3 = has_g ? T(1) / (cg * la + d) : T(0);
-  const T s4 = has_a && has_g ? T(1) / (cg * ca + d) : T(0);
-  return T(1) / (lg * la + d) - d2 - d3 + s4;
+KOKKOS_INLINE_FUNCTION T block_coefficient(T x, T y, T cg, T ca, T d, bool sub_a, bool sub_g) {
+  T v = T(1) / (x * y + d);
+  if (sub_a) v -= T(1) / (x * ca + d);
+  if (sub_g) v -= T(1) / (cg * y + d);
+  if (sub_a && sub_g) v += T(1) / (cg * ca + d);
+  return v;
 }
 
-/// \brief r (x's shape) = the core coefficients of low_rank_apply in its top-left k_G x k_A block.
+/// \brief Every coefficient of low_rank_apply for one damping, in r (x's shape): C in the top-left
+/// k_G x k_A block, \f$\alpha\f$ in column k_A (when A has a complement), \f$\beta\f$ in row
+/// k_G (when G has one), \f$s_4\f$ at (k_G, k_A). Both exact: \f$1/(\lambda_G \lambda_A^T +
+/// \gamma)\f$, Eigendecomposition's bits.
 template <class T, class Exec>
 void low_rank_reciprocal(const Exec& exec, const LowRankPair<T, Exec>& f, double damping, const Matrix<T, Exec>& r) {
-  const bool has_g = f.ug.extent(1) < r.extent(0), has_a = f.ua.extent(1) < r.extent(1);
+  const int kg = int(f.ug.extent(1)), ka = int(f.ua.extent(1));
+  const bool has_g = kg < int(r.extent(0)), has_a = ka < int(r.extent(1));
   const T d = T(damping);
   auto la = f.la, lg = f.lg, ca = f.ca, cg = f.cg;
   Kokkos::parallel_for(
-      "kfac::randomized::reciprocal",
-      ColumnMajorRange<Exec>(exec, {0, 0}, {int(f.ug.extent(1)), int(f.ua.extent(1))}),
-      KOKKOS_LAMBDA(int i, int j) { r(i, j) = core_coefficient(lg(i), la(j), cg(0), ca(0), d, has_g, has_a); });
+      "kfac::randomized::reciprocal", ColumnMajorRange<Exec>(exec, {0, 0}, {kg + has_g, ka + has_a}),
+      KOKKOS_LAMBDA(int i, int j) {
+        r(i, j) = block_coefficient(i < kg ? lg(i) : cg(0), j < ka ? la(j) : ca(0), cg(0), ca(0), d,
+                                    j < ka && has_a, i < kg && has_g);
+      });
 }
 
 /// \brief out = \f$\mathrm{mat}((\tilde G \otimes \tilde A + \gamma I)^{-1}\mathrm{vec}(X))\f$ for
 /// low-rank-plus-scaled-identity factors, X (g x a). With \f$K = U_G^T X\f$, \f$S = K U_A\f$,
-/// \f$M = X U_A\f$ and the block coefficients \f$s_4 = w(c_G, c_A)\f$, \f$\alpha_i =
-/// w(\lambda_{G,i}, c_A) - s_4\f$, \f$\beta_j = w(c_G, \lambda_{A,j}) - s_4\f$ (core_coefficient):
+/// \f$M = X U_A\f$ and the coefficients of block_coefficient (\f$s_4 = w(c_G, c_A)\f$, \f$\alpha_i =
+/// w(\lambda_{G,i}, c_A) - s_4\f$, \f$\beta_j = w(c_G, \lambda_{A,j}) - s_4\f$, C):
 /// \f[ V = s_4 X + U_G \left[\mathrm{diag}(\alpha) K + (S \odot C) U_A^T\right]
 ///       + M\,\mathrm{diag}(\beta)\,U_A^T, \f]
 /// six GEMMs, 2 g a (k_G + k_A) + 2 a k_G k_A multiply-adds; the terms of an exact factor's
 /// (empty) complement are left out. Both exact: Eigendecomposition's apply, bit for bit. K, S
-/// and M live in `work` and `out` (x's shape); `r` is low_rank_reciprocal's or empty.
+/// and M live in `work` and `out` (x's shape); `r` is low_rank_reciprocal's (every coefficient
+/// then from its damping, as Eigendecomposition's precomputed reciprocal) or empty.
 template <class T, class Exec>
 void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matrix<T, Exec>& x, double damping,
                     const Matrix<T, Exec>& r, const Matrix<T, Exec>& work, const Matrix<T, Exec>& out) {
@@ -219,13 +228,12 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
   gemm(exec, "N", "N", T(1), k, f.ua, T(0), s);  // S = K U_A
   Kokkos::parallel_for(
       "kfac::randomized::core", ColumnMajorRange<Exec>(exec, {0, 0}, {kg, ka}), KOKKOS_LAMBDA(int i, int j) {
-        s(i, j) *= pre ? r(i, j) : core_coefficient(lg(i), la(j), cg(0), ca(0), d, has_g, has_a);
+        s(i, j) *= pre ? r(i, j) : block_coefficient(lg(i), la(j), cg(0), ca(0), d, has_a, has_g);
       });
   if (has_a) {
     Kokkos::parallel_for(
         "kfac::randomized::scale_rows", ColumnMajorRange<Exec>(exec, {0, 0}, {kg, a}), KOKKOS_LAMBDA(int i, int j) {
-          const T s4 = has_g ? T(1) / (cg(0) * ca(0) + d) : T(0);
-          k(i, j) *= T(1) / (lg(i) * ca(0) + d) - s4;
+          k(i, j) *= pre ? r(i, ka) : block_coefficient(lg(i), ca(0), cg(0), ca(0), d, false, has_g);
         });
   }
   gemm(exec, "N", "T", T(1), s, f.ua, T(has_a ? 1 : 0), k);  // diag(alpha) K + (S o C) U_A^T
@@ -233,15 +241,15 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
   if (!has_g) return;
   if (has_a) {
     Kokkos::parallel_for(
-        "kfac::randomized::add_scaled", ColumnMajorRange<Exec>(exec, {0, 0}, {g, a}),
-        KOKKOS_LAMBDA(int i, int j) { out(i, j) += x(i, j) / (cg(0) * ca(0) + d); });
+        "kfac::randomized::add_scaled", ColumnMajorRange<Exec>(exec, {0, 0}, {g, a}), KOKKOS_LAMBDA(int i, int j) {
+          out(i, j) += x(i, j) * (pre ? r(kg, ka) : block_coefficient(cg(0), ca(0), cg(0), ca(0), d, false, false));
+        });
   }
   const Part m(work.data(), g, ka);
   gemm(exec, "N", "N", T(1), x, f.ua, T(0), m);  // M = X U_A
   Kokkos::parallel_for(
       "kfac::randomized::scale_columns", ColumnMajorRange<Exec>(exec, {0, 0}, {g, ka}), KOKKOS_LAMBDA(int i, int j) {
-        const T s4 = has_a ? T(1) / (cg(0) * ca(0) + d) : T(0);
-        m(i, j) *= T(1) / (cg(0) * la(j) + d) - s4;
+        m(i, j) *= pre ? r(kg, j) : block_coefficient(cg(0), la(j), cg(0), ca(0), d, has_a, false);
       });
   gemm(exec, "N", "T", T(1), m, f.ua, T(1), out);  // + M diag(beta) U_A^T
 }
@@ -420,8 +428,8 @@ struct RandomizedEigen {
     return {a.u, g.u, a.lambda, g.lambda, a.complement, g.complement};
   }
 
-  /// The core coefficients of the apply (\f$1/(\lambda_G \lambda_A^T + \gamma)\f$ when both
-  /// factors are exact, as Eigendecomposition's) in r's top-left k_G x k_A block.
+  /// Every coefficient of the apply for `damping` (impl::low_rank_reciprocal;
+  /// \f$1/(\lambda_G \lambda_A^T + \gamma)\f$ when both factors are exact, as Eigendecomposition's).
   template <class T, class Exec>
   static void reciprocal(const Exec& exec, const Factorization<T, Exec>& a, const Factorization<T, Exec>& g,
                          double damping, const impl::Matrix<T, Exec>& r) {
