@@ -64,6 +64,13 @@ V4 shard4(const V4& v, int rank, int ranks) {
   return out;
 }
 
+/// RandomizedEigen at rank 2 with oversampling 2, as a type (register_all default-constructs its
+/// policy): the A factors (6, 5 and conv's 19) go through the range finder, warm-started after
+/// the first decomposition; the G factors (4, 3, 3: 2 + 2 >= n) are decomposed exactly, keeping 2.
+struct LowRank : kfac::RandomizedEigen<> {
+  LowRank() { with_rank(2).with_oversampling(2); }
+};
+
 template <class Factor, class Inverse = kfac::Eigendecomposition<>, class P>
 void register_all(P& pre) {
   pre.template register_layer<kfac::Dense, Factor, Inverse>("fc1", kfac::Dense(5, 4));
@@ -230,6 +237,8 @@ TEST_CASE("distributed K-FAC equals the single-process result", "[mpi][distribut
   SECTION("COMM-OPT, Cholesky") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0); }
   SECTION("MEM-OPT, Cholesky") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size); }
   SECTION("COMM-OPT, Newton-Schulz") { check_strategy<kfac::Symmetric, kfac::NewtonSchulz>(1.0); }
+  SECTION("COMM-OPT, randomized low-rank") { check_strategy<kfac::Symmetric, LowRank>(1.0); }
+  SECTION("MEM-OPT, randomized low-rank") { check_strategy<kfac::Symmetric, LowRank>(1.0 / size); }
   SECTION("COMM-OPT, Cholesky, split preconditioning") { check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0); }
   SECTION("COMM-OPT, Cholesky, split preconditioning, 16-byte messages") {
     check_split<kfac::Symmetric, kfac::Cholesky<>>(1.0, false, false, true);
@@ -468,6 +477,7 @@ TEST_CASE("deferred decompositions equal the single-process result with the same
   SECTION("MEM-OPT, Cholesky, reduce-to-owner, d = 1") { check_strategy<kfac::Symmetric, kfac::Cholesky<>>(1.0 / size, true, true, 1); }
   SECTION("COMM-OPT, full, factors apart, reduce-to-owner, d = 2") { check_strategy<kfac::Full>(1.0, true, false, 2); }
   SECTION("COMM-OPT, Newton-Schulz, d = 1") { check_strategy<kfac::Symmetric, kfac::NewtonSchulz>(1.0, false, true, 1); }
+  SECTION("MEM-OPT, randomized low-rank, d = 1") { check_strategy<kfac::Symmetric, LowRank>(1.0 / size, false, true, 1); }
   if (size % 2 == 0 && size > 2) {
     SECTION("HYBRID 0.5, d = 1") { check_strategy<kfac::Symmetric>(0.5, false, true, 1); }
   }

@@ -116,7 +116,7 @@ class Preconditioner {
             class Prec = Precision<Scalar>>
   void register_layer(const std::string& name, const LayerType& layer) {
     static_assert(impl::is_precision<Prec>::value, "kfac: Prec must be a kfac::Precision<...>");
-    static_assert(is_inversion_v<Inversion>, "kfac: the inversion policy must be Eigendecomposition<>, Cholesky<> or NewtonSchulz");
+    static_assert(is_inversion_v<Inversion>, "kfac: the inversion policy must be Eigendecomposition<>, RandomizedEigen<>, Cholesky<> or NewtonSchulz");
     register_layer(name, layer, impl::method_for<LayerType, FactorPolicy, Inversion, Prec, Scalar>{});
   }
 

@@ -30,8 +30,8 @@ struct is_method<T, void_t<typename T::method_tag, decltype(T::name)>> : std::tr
 template <class T, class = void>
 struct is_inversion : std::false_type {};
 template <class T>
-struct is_inversion<T, void_t<decltype(T::damping_at_apply), decltype(T::counts(1)),
-                              decltype(T::cost(1)), decltype(std::declval<const T&>().settings())>>
+struct is_inversion<T, void_t<decltype(T::damping_at_apply), decltype(std::declval<const T&>().counts(1)),
+                              decltype(std::declval<const T&>().cost(1)), decltype(std::declval<const T&>().settings())>>
     : std::true_type {};
 
 template <class T, class = void>
@@ -71,7 +71,7 @@ inline constexpr bool is_layer_type_v = impl::is_layer_type<T>::value;
 /// \brief True for method objects (KFAC<...>, UnitWiseFisher<...>, or one of yours).
 template <class T>
 inline constexpr bool is_method_v = impl::is_method<T>::value;
-/// \brief True for inversion policies (Eigendecomposition<>, Cholesky<>, NewtonSchulz).
+/// \brief True for inversion policies (Eigendecomposition<>, RandomizedEigen<>, Cholesky<>, NewtonSchulz).
 template <class T>
 inline constexpr bool is_inversion_v = impl::is_inversion<T>::value;
 /// \brief True for communicators (SerialComm, MpiComm).

@@ -16,6 +16,70 @@
 #include "kfac/core/block.hpp"
 
 namespace kfac {
+namespace impl {
+
+/// True when some eigenvalue is positive: a factorization's basis was computed, received or
+/// restored (its eigenvalues start at 0). Reads them on the host.
+template <class V>
+bool any_positive(const V& lambda) {
+  const auto l = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lambda);
+  for (std::size_t i = 0; i < l.extent(0); ++i)
+    if (l(i) > typename V::non_const_value_type(0)) return true;
+  return false;
+}
+
+/// \brief The eigendecomposition of the upper triangle of `factor` + `shift` I into q (vectors)
+/// and lambda (ascending values), with `shift` taken off the eigenvalues again and every
+/// eigenvalue clamped at 0. `shift` > 0 (a retry) is the same decomposition in exact arithmetic
+/// but another problem for the solver.
+template <class Backend, class Exec, class F, class T>
+void clamped_eigh(const Exec& exec, const F& factor, const Matrix<T, Exec>& q, const Vector<T, Exec>& lambda,
+                  SolverWorkspace<T, Exec>& workspace, int jacobi_sweeps, double shift) {
+  const int n = int(factor.extent(0));
+  if (shift > 0) {
+    Matrix<T, Exec> shifted(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::shifted"), n, n);
+    symmetric_copy(exec, factor, shifted);
+    add_diagonal(exec, shifted, T(shift));
+    eigh<Backend>(exec, shifted, q, lambda, workspace, jacobi_sweeps);
+  } else {
+    eigh<Backend>(exec, factor, q, lambda, workspace, jacobi_sweeps);
+  }
+  auto l = lambda;
+  const T s = T(shift);
+  Kokkos::parallel_for(
+      "kfac::eigen::clamp", Kokkos::RangePolicy<Exec>(exec, 0, int(l.extent(0))),
+      KOKKOS_LAMBDA(int i) { const T v = l(i) - s; l(i) = v > T(0) ? v : T(0); });
+}
+
+/// Columns [c0, c1) of out divided by \f$\lambda_G \lambda_A^T + \gamma\f$ (or times the
+/// precomputed reciprocal `r`, when it has out's shape).
+template <class T, class Exec>
+void scale_eigenbasis_columns(const Exec& exec, const Vector<T, Exec>& la, const Vector<T, Exec>& lg, double damping,
+                              const Matrix<T, Exec>& r, const Matrix<T, Exec>& out, int c0, int c1) {
+  const T d = T(damping);
+  const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
+  Kokkos::parallel_for(
+      "kfac::eigen::scale", ColumnMajorRange<Exec>(exec, {0, c0}, {int(out.extent(0)), c1}),
+      KOKKOS_LAMBDA(int i, int j) {
+        out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d);
+      });
+}
+
+/// \brief out = \f$Q_G [(Q_G^T X Q_A) \oslash (\lambda_G \lambda_A^T + \gamma)] Q_A^T\f$ for
+/// complete eigenbases (q_a a x a, q_g g x g); `work` has x's shape; `r` is the precomputed
+/// reciprocal or empty.
+template <class T, class Exec>
+void eigenbasis_apply(const Exec& exec, const Matrix<T, Exec>& qa, const Vector<T, Exec>& la, const Matrix<T, Exec>& qg,
+                      const Vector<T, Exec>& lg, const Matrix<T, Exec>& x, double damping, const Matrix<T, Exec>& r,
+                      const Matrix<T, Exec>& work, const Matrix<T, Exec>& out) {
+  gemm(exec, "T", "N", T(1), qg, x, T(0), work);    // Q_G^T X
+  gemm(exec, "N", "N", T(1), work, qa, T(0), out);  // (Q_G^T X) Q_A
+  scale_eigenbasis_columns(exec, la, lg, damping, r, out, 0, int(out.extent(1)));
+  gemm(exec, "N", "N", T(1), qg, out, T(0), work);  // Q_G (...)
+  gemm(exec, "N", "T", T(1), work, qa, T(0), out);  // (...) Q_A^T
+}
+
+}  // namespace impl
 
 /// \brief Inversion policy: eigendecompositions of A and G, damping applied at preconditioning.
 /// \tparam Backend AutoBackend (LAPACK syevd on the host, cuSOLVER on CUDA) or PortableBackend.
@@ -84,12 +148,7 @@ struct Eigendecomposition {
     /// True when q holds an eigenbasis — computed here, received or restored from a checkpoint:
     /// some eigenvalue is positive (lambda starts at 0). A refresh starts from it, so that a
     /// resumed run refreshes where the uninterrupted one does.
-    bool has_basis() const {
-      const auto l = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lambda);
-      for (std::size_t i = 0; i < l.extent(0); ++i)
-        if (l(i) > T(0)) return true;
-      return false;
-    }
+    bool has_basis() const { return impl::any_positive(lambda); }
 
     /// `shift` > 0 (a retry): decomposes factor + shift I and subtracts shift from the
     /// eigenvalues, the same decomposition in exact arithmetic but another problem for the solver.
@@ -111,19 +170,7 @@ struct Eigendecomposition {
         }
       }
       ++exact;
-      if (shift > 0) {
-        impl::Matrix<T, Exec> shifted(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::eigen::shifted"), n, n);
-        impl::symmetric_copy(exec, factor, shifted);
-        impl::add_diagonal(exec, shifted, T(shift));
-        impl::eigh<Backend>(exec, shifted, q, lambda, workspace, settings.jacobi_sweeps);
-      } else {
-        impl::eigh<Backend>(exec, factor, q, lambda, workspace, settings.jacobi_sweeps);
-      }
-      auto l = lambda;
-      const T s = T(shift);
-      Kokkos::parallel_for(
-          "kfac::eigen::clamp", Kokkos::RangePolicy<Exec>(exec, 0, int(l.extent(0))),
-          KOKKOS_LAMBDA(int i) { const T v = l(i) - s; l(i) = v > T(0) ? v : T(0); });
+      impl::clamped_eigh<Backend>(exec, factor, q, lambda, workspace, settings.jacobi_sweeps, shift);
     }
 
    private:
@@ -151,11 +198,7 @@ struct Eigendecomposition {
                     const Factorization<T, Exec>& g, const impl::Matrix<T, Exec>& x,
                     double damping, const impl::Matrix<T, Exec>& r,
                     const impl::Matrix<T, Exec>& work, const impl::Matrix<T, Exec>& out) {
-    impl::gemm(exec, "T", "N", T(1), g.q, x, T(0), work);    // Q_G^T X
-    impl::gemm(exec, "N", "N", T(1), work, a.q, T(0), out);  // (Q_G^T X) Q_A
-    scale_columns(exec, a, g, damping, r, out, 0, int(out.extent(1)));
-    impl::gemm(exec, "N", "N", T(1), g.q, out, T(0), work);  // Q_G (...)
-    impl::gemm(exec, "N", "T", T(1), work, a.q, T(0), out);  // (...) Q_A^T
+    impl::eigenbasis_apply(exec, a.q, a.lambda, g.q, g.lambda, x, damping, r, work, out);
   }
 
   /// Split preconditioning: pass 0 computes columns [c0, c1) of the middle matrix
@@ -196,15 +239,7 @@ struct Eigendecomposition {
   static void scale_columns(const Exec& exec, const Factorization<T, Exec>& a, const Factorization<T, Exec>& g,
                             double damping, const impl::Matrix<T, Exec>& r, const impl::Matrix<T, Exec>& out,
                             int c0, int c1) {
-    auto la = a.lambda;
-    auto lg = g.lambda;
-    const T d = T(damping);
-    const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
-    Kokkos::parallel_for(
-        "kfac::eigen::scale", impl::ColumnMajorRange<Exec>(exec, {0, c0}, {int(out.extent(0)), c1}),
-        KOKKOS_LAMBDA(int i, int j) {
-          out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d);
-        });
+    impl::scale_eigenbasis_columns(exec, a.lambda, g.lambda, damping, r, out, c0, c1);
   }
 };
 

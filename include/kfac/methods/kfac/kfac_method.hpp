@@ -14,6 +14,7 @@
 #include "kfac/methods/kfac/factors.hpp"
 #include "kfac/methods/kfac/kronecker_block.hpp"
 #include "kfac/methods/kfac/newton_schulz.hpp"
+#include "kfac/methods/kfac/randomized_eigen.hpp"
 #include "kfac/methods/method_settings.hpp"
 
 namespace kfac {
@@ -22,7 +23,7 @@ namespace kfac {
 /// \f$(G \otimes A + \gamma I)^{-1}\f$ (or the factored-damping inverses of Cholesky / Newton–Schulz).
 ///
 /// \tparam FactorPolicy Symmetric (default), Full or Diagonal.
-/// \tparam Inversion Eigendecomposition<> (default), Cholesky<> or NewtonSchulz; an object, so
+/// \tparam Inversion Eigendecomposition<> (default), RandomizedEigen<>, Cholesky<> or NewtonSchulz; an object, so
 ///         its settings (e.g. NewtonSchulz::with_max_iterations) travel with the method.
 /// \tparam Prec Precision<Factor, Decomposition>; ScalarPrecision = the Preconditioner's Scalar.
 ///
@@ -42,7 +43,8 @@ struct KFAC : impl::LayerOverrides<KFAC<FactorPolicy, Inversion, Prec>> {
                 "e.g. kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>>");
   static_assert(is_inversion_v<Inversion>,
                 "kfac::KFAC<Factor, Inversion, Prec>: the second template argument must be an "
-                "inversion policy (kfac::Eigendecomposition<>, kfac::Cholesky<>, kfac::NewtonSchulz)");
+                "inversion policy (kfac::Eigendecomposition<>, kfac::RandomizedEigen<>, kfac::Cholesky<>, "
+                "kfac::NewtonSchulz)");
   static_assert(impl::is_precision<Prec>::value || std::is_same<Prec, ScalarPrecision>::value,
                 "kfac::KFAC<Factor, Inversion, Prec>: the third template argument must be a precision "
                 "(kfac::ScalarPrecision, kfac::MixedPrecision, kfac::HalfPrecision, kfac::Precision<F, D>)");

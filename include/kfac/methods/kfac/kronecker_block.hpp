@@ -103,6 +103,17 @@ template <class L>
 struct has_rows_in_place<L, std::void_t<decltype(std::declval<const L&>().a_rows_are_input()),
                                         decltype(std::declval<const L&>().g_rows_are_output_grad())>>
     : std::true_type {};
+/// Whether an inversion policy's settings depend on the layer's factor sizes (RandomizedEigen:
+/// "exact" for a layer it decomposes exactly); the others give `settings()` alone.
+template <class P, class = void>
+struct has_layer_settings : std::false_type {};
+template <class P>
+struct has_layer_settings<P, std::void_t<decltype(std::declval<const P&>().settings(index_t(1), index_t(1)))>>
+    : std::true_type {};
+/// Whether a policy's factorization is built from the factor's size and the policy (its buffer
+/// sizes depend on a setting: RandomizedEigen's rank), rather than from the size alone.
+template <class Fact, class P>
+using builds_with_settings = std::is_constructible<Fact, index_t, const P&>;
 template <class P, class = void>
 struct host_thread_safe : std::false_type {};
 template <class P>
@@ -114,8 +125,8 @@ struct host_thread_safe<P, std::void_t<decltype(P::host_thread_safe), typename P
 /// \brief K-FAC state of one layer whose Fisher block is approximated by \f$G \otimes A\f$.
 /// \tparam LayerType Dense or Conv2d: how observations become factor statistics.
 /// \tparam FactorPolicy Full, Symmetric or Diagonal.
-/// \tparam InversePolicy Eigendecomposition<>, Cholesky<> or NewtonSchulz (ignored for Diagonal,
-///         whose damped inverse is closed-form).
+/// \tparam InversePolicy Eigendecomposition<>, RandomizedEigen<>, Cholesky<> or NewtonSchulz
+///         (ignored for Diagonal, whose damped inverse is closed-form).
 /// \tparam Prec Precision<Factor, Decomposition>.
 /// \tparam Scalar the host framework's type of observations and gradients.
 /// \tparam Exec the Kokkos execution space.
@@ -152,7 +163,10 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   const LayerType& layer() const { return layer_; }
   const char* kind() const override { return LayerType::kind; }
   std::string signature() const override {
-    const std::string settings = diagonal ? "" : inversion_.settings();
+    std::string settings;
+    if constexpr (diagonal) settings = "";
+    else if constexpr (impl::has_layer_settings<InversePolicy>::value) settings = inversion_.settings(na_, ng_);
+    else settings = inversion_.settings();
     return layer_.describe() + "/" + FactorPolicy::name + "/" +
            (diagonal ? "closed_form" : InversePolicy::name) +
            (settings.empty() ? "" : "[" + settings + "]") + "/f" + std::to_string(sizeof(F)) +
@@ -306,13 +320,21 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   std::vector<impl::BufferShape> unit_shapes(int u) const override {
     std::vector<impl::BufferShape> r;
     if constexpr (!diagonal)
-      for (std::size_t c : InversePolicy::counts(u == 0 ? na_ : ng_)) r.push_back({c, sizeof(D)});
+      for (std::size_t c : inversion_.counts(u == 0 ? na_ : ng_)) r.push_back({c, sizeof(D)});
     (void)u;
     return r;
   }
   void allocate_units() override {
-    if constexpr (!diagonal)
-      if (!fa_) { fa_ = std::make_unique<Fact>(na_); fg_ = std::make_unique<Fact>(ng_); }
+    if constexpr (!diagonal) {
+      if (fa_) return;
+      if constexpr (impl::builds_with_settings<Fact, InversePolicy>::value) {
+        fa_ = std::make_unique<Fact>(na_, inversion_);
+        fg_ = std::make_unique<Fact>(ng_, inversion_);
+      } else {
+        fa_ = std::make_unique<Fact>(na_);
+        fg_ = std::make_unique<Fact>(ng_);
+      }
+    }
   }
   void release_units() override {
     fa_.reset();
