@@ -587,3 +587,23 @@ TEST_CASE("group layouts: every receiver group holds one member of every worker 
       for (int u = 0; u < 2; ++u) CHECK(w.is_grad_worker(l, w.decomposer(l, u)));
   }
 }
+
+TEST_CASE("the randomized low-rank decomposition states its own work", "[cost_model][shape]") {
+  using R = kfac::RandomizedEigen<>;
+  kfac::CostModel model;
+  model.add("big", kfac::Dense(255, 300), kfac::KFAC<kfac::Symmetric, R>(R{}.with_rank(32).with_oversampling(8)));
+  model.add("small", kfac::Dense(15, 10), kfac::KFAC<kfac::Symmetric, R>(R{}.with_rank(32)));
+  const auto& big = model.layer("big");  // (add() may move the earlier descriptions)
+  const auto& small = model.layer("small");
+  // A = 256 (bias column), G = 300: l = 40 < n, GEMMs plus 2q + 4 = 6 small eighs of 40.
+  CHECK(big.unit_costs[0].work.eigh_n3 == 6 * cube(40));
+  CHECK(big.unit_costs[0].work.gemm_flops > 0);
+  CHECK(big.unit_costs[0].flops < cube(256));  // about 0.7 n^3 at n = 256, r = 32
+  CHECK(big.decomposition_buffer_counts(0) == std::vector<std::size_t>{256 * 32, 32, 1});
+  CHECK(big.plan.apply.gemm_flops == 2.0 * (2.0 * 300 * 256 * 64 + 2.0 * 256 * 32 * 32));
+  // Both factors smaller than the rank: Eigendecomposition's work.
+  CHECK(small.unit_costs[0].work.eigh_n3 == cube(16));
+  CHECK(small.plan.apply.gemm_flops == 4.0 * 10 * 16 * 26);
+  const kfac::MachineFigures m;
+  CHECK(m.decomposition_seconds(big, 0) < m.eigen_seconds_per_n3 * cube(256));
+}

@@ -360,7 +360,7 @@ class CostModel {
 
   /// \brief Describes the layer that `pre.register_layer(name, layer, method)` registers on a
   /// Preconditioner whose Scalar is `Scalar`: the same block, built and asked, so a method,
-  /// yours included, is priced by what it states of itself. Returns the layer's description
+  /// yours included, is priced by what it states of itself. Returns the layer's description (valid until the next add())
   /// (e.g. to set LayerShape::with_observation_rows).
   template <class Scalar = double, class LayerType, class Method>
   LayerShape& add(std::string name, const LayerType& layer, const Method& method) {
