@@ -69,14 +69,6 @@ struct Work {
   double iteration_flops = 0;    ///< GEMM flops of one iteration of an iterative solver (Newton-Schulz)
   double stream_bytes = 0;       ///< bytes read and written by element-wise passes
   std::size_t scalar = 8;        ///< bytes of the arithmetic's scalar (4: float rates apply)
-  Work& operator+=(const Work& o) {
-    eigh_n3 += o.eigh_n3;
-    factorization_n3 += o.factorization_n3;
-    gemm_flops += o.gemm_flops;
-    iteration_flops += o.iteration_flops;
-    stream_bytes += o.stream_bytes;
-    return *this;
-  }
   /// This work done `times` times (e.g. per observation row times the rows).
   Work times(double times) const {
     Work w = *this;

@@ -479,13 +479,14 @@ class CostModel {
       if (!skip[l] && policy.split_preconditioning && world > 1 && gw > 1 && layers_[l].decomposed_factors() > 0)
         passes[l] = layers_[l].split_passes;
     const int most = passes.empty() ? 1 : std::max(1, *std::max_element(passes.begin(), passes.end()));
-    for (std::size_t l = 0; l < n; ++l)  // layers without units: every rank applies its own (NG-SGD)
-      if (!skip[l] && layers_[l].decomposed_factors() == 0)
-        for (int r = 0; r < world; ++r) {
-          const double t = machine_.preconditioning_seconds(layers_[l]);
-          p.ranks[std::size_t(r)].preconditioning_seconds += t;
-          clock[std::size_t(r)] += t;
-        }
+    for (std::size_t l = 0; l < n; ++l) {  // layers without units: every rank applies its own (NG-SGD)
+      if (skip[l] || layers_[l].decomposed_factors() > 0) continue;
+      const double t = machine_.preconditioning_seconds(layers_[l]);
+      for (int r = 0; r < world; ++r) {
+        p.ranks[std::size_t(r)].preconditioning_seconds += t;
+        clock[std::size_t(r)] += t;
+      }
+    }
     for (int pass = 0; pass < most; ++pass) {
       for (std::size_t l = 0; l < n; ++l) {
         const LayerShape& s = layers_[l];
