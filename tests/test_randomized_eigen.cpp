@@ -261,6 +261,52 @@ TEST_CASE("rank < n: the dense solve with the returned low-rank-plus-identity fa
   }
 }
 
+TEST_CASE("factored damping: (G~ + sqrt(damping) I)^-1 X (A~ + sqrt(damping) I)^-1", "[inverse][randomized][factored]") {
+  const double damping = 0.3;  // large enough that the two forms differ visibly
+  CHECK(RE{}.with_factored_damping(true).settings() == "r=64,p=16,q=1,factored");
+  CHECK(RE{}.with_rank(8).with_factored_damping(true).settings(8, 5) == "exact,factored");
+
+  SECTION("rank >= n: Cholesky's damped inverses (pi = 1), to round-off") {
+    for (const bool precompute : {false, true}) {
+      const auto opts = plain_options(damping).with_factor_decay(0.9).with_inv_update_steps(2).with_precompute_reciprocal(precompute);
+      Pre low(opts), chol(opts);
+      low.register_layer("fc", kfac::Dense(7, 5), kfac::KFAC<kfac::Symmetric, RE>(RE{}.with_rank(8).with_factored_damping(true)));
+      chol.register_layer("fc", kfac::Dense(7, 5),
+                          kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>>(kfac::Cholesky<>{}.with_pi_damping(false)));
+      for (int t = 0; t < 6; ++t) {
+        Rng rng(170 + t);
+        DenseBatch batch(7, 5, true, 16, rng);
+        DenseBatch twin = batch.twin();
+        batch.feed(low, "fc");
+        twin.feed(chol, "fc");
+        low.step();
+        chol.step();
+        INFO("precompute " << precompute << ", step " << t);
+        CHECK(rel_err(batch.gradient(), twin.gradient()) < 1e-10);
+      }
+    }
+  }
+  SECTION("rank < n: the dense solve with the returned factors, each damped") {
+    const RE policies[] = {RE{}.with_rank(4).with_oversampling(3), RE{}.with_rank(6).with_oversampling(3)};
+    const int outs[] = {14, 6};  // both factors low-rank; G exact (rank >= g), A low-rank
+    for (int c = 0; c < 2; ++c) {
+      for (const bool precompute : {false, true}) {
+        Pre pre(plain_options(damping).with_precompute_reciprocal(precompute));
+        const auto method = kfac::KFAC<kfac::Symmetric, RE>(RE(policies[c]).with_factored_damping(true));
+        const auto [x, got] = one_step(pre, 30, outs[c], 64, 11, method);
+        const auto& layer = pre.layer_as<RLayer<>>("fc");
+        const double s = std::sqrt(damping);
+        const MatrixXd a = approximation(*layer.decomposition_a()), g = approximation(*layer.decomposition_g());
+        const MatrixXd ia = (a + s * MatrixXd::Identity(a.rows(), a.cols())).inverse();
+        const MatrixXd ig = (g + s * MatrixXd::Identity(g.rows(), g.cols())).inverse();
+        INFO("case " << c << ", precompute " << precompute);
+        CHECK(rel_err(got, MatrixXd(ig * x * ia)) < 1e-10);
+        CHECK(rel_err(got, dense_kronecker_solve(a, g, x, damping)) > 1e-3);  // not the Kronecker-sum form
+      }
+    }
+  }
+}
+
 TEST_CASE("known spectrum: the top eigenpairs, and the solve, within their bounds", "[inverse][randomized][spectrum]") {
   const int n = 120, k = 8;
   Rng rng(2024);

@@ -102,7 +102,9 @@ struct RecipeSettings {
 /// | double | factor_decay | running-average weight of the old factors | 0.95 |
 /// | long | factor_update_steps | steps between factor updates | 10 |
 /// | long | inv_update_steps | steps between decompositions | 100 |
-/// | string | inverse | "eigen" (kfac::Eigendecomposition) or "cholesky" (damped inverses) | eigen |
+/// | string | inverse | "eigen" (kfac::Eigendecomposition), "cholesky" (damped inverses) or "randomized" (kfac::RandomizedEigen: top-`rank` eigenpairs, the rest as their mean) | eigen |
+/// | int | rank | kfac::RandomizedEigen::with_rank (inverse "randomized"): eigenpairs kept per factor | 64 |
+/// | bool | factored_damping | kfac::RandomizedEigen::with_factored_damping (inverse "randomized"): each factor damped by √damping, the "cholesky" form | false |
 /// | bool | pi_damping | Cholesky's π-damping (kfac::Cholesky::with_pi_damping); off: π = 1, the form the sweeps tuned | false |
 /// | long | decomposition_delay | kfac::Options::decomposition_delay: decompositions used d steps after they fall due, computed meanwhile | 0 |
 /// | double | eigen_refresh | kfac::Eigendecomposition::with_refresh_tolerance (inverse "eigen"): eigenvalues refreshed in the kept eigenbasis while within this relative distance of the factor | 0 |
@@ -120,6 +122,8 @@ struct KfacSettings {
   long factor_update_steps = 10;
   long inv_update_steps = 100;
   std::string inverse = "eigen";
+  int rank = 64;
+  bool factored_damping = false;
   bool pi_damping = false;
   long decomposition_delay = 0;
   double eigen_refresh = 0;
@@ -213,8 +217,9 @@ class KfacSgd {
   /// \param world [in] one process, or the ranks whose factors are averaged (MPI)
   KfacSgd(Network& net, const KfacSettings& s, const World& world = World())
       : sgd_(net.params(), SgdOptions{}.with_lr(s.lr).with_momentum(s.momentum).with_weight_decay(s.weight_decay)) {
-    if (s.inverse != "eigen" && s.inverse != "cholesky")
-      throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen or cholesky)");
+    if (s.inverse != "eigen" && s.inverse != "cholesky" && s.inverse != "randomized")
+      throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen, cholesky or randomized)");
+    if (s.rank < 1) throw std::invalid_argument("K-FAC rank " + std::to_string(s.rank) + ": expected >= 1");
     if (s.recipe.name != "none" && s.recipe.name != "large-batch")
       throw std::invalid_argument("unknown recipe '" + s.recipe.name + "' (expected none or large-batch)");
     kfac::Options options = kfac_options(s, world.size());
@@ -225,6 +230,8 @@ class KfacSgd {
     }
     options_ = options;
     cholesky_ = s.inverse == "cholesky";
+    randomized_rank_ = s.inverse == "randomized" ? s.rank : 0;
+    factored_damping_ = s.factored_damping;
     pi_damping_ = s.pi_damping;
     eigen_refresh_ = s.eigen_refresh;
 #if KFAC_EXAMPLES_HAVE_MPI
@@ -305,6 +312,8 @@ class KfacSgd {
   kfac::Options options_;
   std::function<double(long)> lr_;  ///< the recipe's learning rate; empty: constant
   bool cholesky_ = false, pi_damping_ = false;
+  int randomized_rank_ = 0;  ///< > 0: kfac::RandomizedEigen with this rank
+  bool factored_damping_ = false;
   double eigen_refresh_ = 0;
   double kfac_seconds_ = 0;
 
@@ -331,6 +340,9 @@ class KfacSgd {
     auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
       using K = std::decay_t<decltype(kfac_layer)>;
       if (cholesky_) pre.register_layer(name, kfac_layer, cholesky_method(pi_damping_));
+      else if (randomized_rank_ > 0)
+        pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::RandomizedEigen<>, kfac::Precision<float>>(
+                                                 kfac::RandomizedEigen<>{}.with_rank(randomized_rank_).with_factored_damping(factored_damping_)));
       else if (eigen_refresh_ > 0)
         pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(
                                                  kfac::Eigendecomposition<>{}.with_refresh_tolerance(eigen_refresh_)));

@@ -65,6 +65,7 @@ inline KfacSettings default_kfac(const std::string& model) {
   KfacSettings k;
   if (model == "mlp") {
     k.inverse = "cholesky";
+    k.factored_damping = true;  // --inverse randomized: the form the damping was tuned with
     k.damping = 0.3;
     k.kl_clip = 1e-2;
   }

@@ -69,7 +69,11 @@ void usage() {
       "  --weight-decay X                L2 on weights (default 0)\n"
       "  --damping X --kl-clip X --factor-decay X --factor-every N --inv-every N\n"
       "                                  K-FAC settings (mlp 0.3, 1e-2, 0.95, 10, 100; cnn 0.1, 1e-3, 0.95, 10, 100)\n"
-      "  --inverse eigen|cholesky        K-FAC inversion of Dense/Conv2d factors (mlp cholesky, cnn eigen)\n"
+      "  --inverse eigen|cholesky|randomized   K-FAC inversion of Dense/Conv2d factors (mlp cholesky, cnn eigen);\n"
+      "                                  randomized: the top --rank eigenpairs of each factor, the rest as their mean\n"
+      "  --rank R                        eigenpairs kept per factor by --inverse randomized (default 64)\n"
+      "  --factored-damping 0|1          --inverse randomized: damp each factor by sqrt(damping), the cholesky form\n"
+      "                                  (mlp 1, cnn 0: the form each model's damping was tuned with)\n"
       "  --strategy comm-opt|hybrid|mem-opt   under mpiexec: KAISA's work assignment for K-FAC, i.e. the\n"
       "                                  gradient-worker fraction 1, 1/2 or 1/P (default comm-opt)\n"
       "  --grad-worker-fraction F        the fraction itself, in [1/P, 1] (overrides --strategy)\n"
@@ -189,6 +193,8 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--inv-every") num(a.train.kfac.inv_update_steps);
     else if (key == "--factor-every") num(a.train.kfac.factor_update_steps);
     else if (key == "--inverse") a.train.kfac.inverse = value;
+    else if (key == "--rank") num(a.train.kfac.rank);
+    else if (key == "--factored-damping") num(a.train.kfac.factored_damping);
     else if (key == "--strategy") a.train.kfac.strategy = value;
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
     else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
@@ -227,8 +233,9 @@ Args parse(const std::vector<std::string>& argv) {
   for (const auto& [who, list] : a.lrs)
     for (double lr : list)
       if (!(lr > 0)) throw std::invalid_argument("learning rates must be > 0 (" + who + ")");
-  if (a.train.kfac.inverse != "eigen" && a.train.kfac.inverse != "cholesky")
-    throw std::invalid_argument("--inverse: expected eigen or cholesky");
+  if (a.train.kfac.inverse != "eigen" && a.train.kfac.inverse != "cholesky" && a.train.kfac.inverse != "randomized")
+    throw std::invalid_argument("--inverse: expected eigen, cholesky or randomized");
+  if (a.train.kfac.rank < 1) throw std::invalid_argument("--rank: expected >= 1");
   if (a.train.kfac.strategy != "comm-opt" && a.train.kfac.strategy != "hybrid" && a.train.kfac.strategy != "mem-opt")
     throw std::invalid_argument("--strategy: expected comm-opt, hybrid or mem-opt");
   if (a.train.kfac.grad_worker_fraction < 0 || a.train.kfac.grad_worker_fraction > 1)
@@ -278,6 +285,8 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
     if (s.kfac.split_preconditioning) n += "+split";
     if (!s.kfac.overlap_communication) n += "+blocking";
   }
+  if (k == nn::OptimizerKind::kfac && s.kfac.inverse == "randomized")
+    n += "+rank" + std::to_string(s.kfac.rank) + (s.kfac.factored_damping ? "f" : "");
   if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
   if (k == nn::OptimizerKind::kfac && s.kfac.eigen_refresh > 0) {
     char b[32];

@@ -31,6 +31,12 @@
 /// eigh, clamping and preconditioning), and so is one with rank + oversampling >= n, whose top k
 /// eigenpairs are then exact. A layer whose factors are both exact has the signature setting
 /// "exact", whatever the rank.
+///
+/// `with_factored_damping(true)` damps each factor instead:
+/// \f$(\tilde G + \sqrt\gamma I)^{-1} X (\tilde A + \sqrt\gamma I)^{-1}\f$, every eigenvalue product
+/// \f$xy + \gamma\f$ above becoming \f$(x + \sqrt\gamma)(y + \sqrt\gamma)\f$: the operator of
+/// `Cholesky<>{}.with_pi_damping(false)` with the approximated factors (the same up to round-off
+/// when both are exact), and the form the Fashion-MNIST MLP was tuned with.
 
 #include <algorithm>
 #include <cmath>
@@ -160,11 +166,19 @@ double diagonal_sum(const Exec& exec, const M& m) {
 }
 
 /// \brief The factors of one layer's low-rank solve: bases (n x k), kept eigenvalues (k) and
-/// complement scales (1 value each) of A and G, as views.
+/// complement scales (1 value each) of A and G, as views, and the damping's form.
 template <class T, class Exec>
 struct LowRankPair {
   Matrix<T, Exec> ua, ug;
   Vector<T, Exec> la, lg, ca, cg;
+  /// Factored damping: \f$w(x, y) = 1/((x + \sqrt\gamma)(y + \sqrt\gamma))\f$, the solve with
+  /// \f$(\tilde G + \sqrt\gamma I) \otimes (\tilde A + \sqrt\gamma I)\f$ (Cholesky's form with \f$\pi = 1\f$).
+  bool factored = false;
+  /// The shift s added to every eigenvalue and the d of \f$1/((x + s)(y + s) + d)\f$:
+  /// \f$(\sqrt\gamma, 0)\f$ when factored, else \f$(0, \gamma)\f$ (x + 0 is x: the same bits).
+  std::pair<T, T> shift_and_damping(double damping) const {
+    return factored ? std::pair<T, T>(T(std::sqrt(damping)), T(0)) : std::pair<T, T>(T(0), T(damping));
+  }
 };
 
 /// \brief A coefficient of low_rank_apply, with \f$w(x, y) = 1/(xy + \gamma)\f$:
@@ -190,12 +204,12 @@ template <class T, class Exec>
 void low_rank_reciprocal(const Exec& exec, const LowRankPair<T, Exec>& f, double damping, const Matrix<T, Exec>& r) {
   const int kg = int(f.ug.extent(1)), ka = int(f.ua.extent(1));
   const bool has_g = kg < int(r.extent(0)), has_a = ka < int(r.extent(1));
-  const T d = T(damping);
+  const auto [s, d] = f.shift_and_damping(damping);
   auto la = f.la, lg = f.lg, ca = f.ca, cg = f.cg;
   Kokkos::parallel_for(
       "kfac::randomized::reciprocal", ColumnMajorRange<Exec>(exec, {0, 0}, {kg + has_g, ka + has_a}),
       KOKKOS_LAMBDA(int i, int j) {
-        r(i, j) = block_coefficient(i < kg ? lg(i) : cg(0), j < ka ? la(j) : ca(0), cg(0), ca(0), d,
+        r(i, j) = block_coefficient((i < kg ? lg(i) : cg(0)) + s, (j < ka ? la(j) : ca(0)) + s, cg(0) + s, ca(0) + s, d,
                                     j < ka && has_a, i < kg && has_g);
       });
 }
@@ -207,7 +221,8 @@ void low_rank_reciprocal(const Exec& exec, const LowRankPair<T, Exec>& f, double
 /// \f[ V = s_4 X + U_G \left[\mathrm{diag}(\alpha) K + (S \odot C) U_A^T\right]
 ///       + M\,\mathrm{diag}(\beta)\,U_A^T, \f]
 /// six GEMMs, 2 g a (k_G + k_A) + 2 a k_G k_A multiply-adds; the terms of an exact factor's
-/// (empty) complement are left out. Both exact: Eigendecomposition's apply, bit for bit. K, S
+/// (empty) complement are left out. Both exact (and the damping not factored):
+/// Eigendecomposition's apply, bit for bit. K, S
 /// and M live in `work` and `out` (x's shape); `r` is low_rank_reciprocal's (every coefficient
 /// then from its damping, as Eigendecomposition's precomputed reciprocal) or empty.
 template <class T, class Exec>
@@ -216,11 +231,12 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
   using Part = Kokkos::View<T**, Kokkos::LayoutLeft, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   const int g = int(x.extent(0)), a = int(x.extent(1)), kg = int(f.ug.extent(1)), ka = int(f.ua.extent(1));
   const bool has_g = kg < g, has_a = ka < a;
-  if (!has_g && !has_a) {
+  if (!has_g && !has_a && !f.factored) {
     eigenbasis_apply(exec, f.ua, f.la, f.ug, f.lg, x, damping, r, work, out);
     return;
   }
-  const T d = T(damping);
+  const auto [sh, d] = f.shift_and_damping(damping);
+  const T s0 = sh;  // a plain copy: structured bindings cannot be captured by KOKKOS_LAMBDA in C++17
   const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
   auto la = f.la, lg = f.lg, ca = f.ca, cg = f.cg;
   const Part k(work.data(), kg, a), s(out.data(), kg, ka);
@@ -228,12 +244,12 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
   gemm(exec, "N", "N", T(1), k, f.ua, T(0), s);  // S = K U_A
   Kokkos::parallel_for(
       "kfac::randomized::core", ColumnMajorRange<Exec>(exec, {0, 0}, {kg, ka}), KOKKOS_LAMBDA(int i, int j) {
-        s(i, j) *= pre ? r(i, j) : block_coefficient(lg(i), la(j), cg(0), ca(0), d, has_a, has_g);
+        s(i, j) *= pre ? r(i, j) : block_coefficient(lg(i) + s0, la(j) + s0, cg(0) + s0, ca(0) + s0, d, has_a, has_g);
       });
   if (has_a) {
     Kokkos::parallel_for(
         "kfac::randomized::scale_rows", ColumnMajorRange<Exec>(exec, {0, 0}, {kg, a}), KOKKOS_LAMBDA(int i, int j) {
-          k(i, j) *= pre ? r(i, ka) : block_coefficient(lg(i), ca(0), cg(0), ca(0), d, false, has_g);
+          k(i, j) *= pre ? r(i, ka) : block_coefficient(lg(i) + s0, ca(0) + s0, cg(0) + s0, ca(0) + s0, d, false, has_g);
         });
   }
   gemm(exec, "N", "T", T(1), s, f.ua, T(has_a ? 1 : 0), k);  // diag(alpha) K + (S o C) U_A^T
@@ -242,14 +258,14 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
   if (has_a) {
     Kokkos::parallel_for(
         "kfac::randomized::add_scaled", ColumnMajorRange<Exec>(exec, {0, 0}, {g, a}), KOKKOS_LAMBDA(int i, int j) {
-          out(i, j) += x(i, j) * (pre ? r(kg, ka) : block_coefficient(cg(0), ca(0), cg(0), ca(0), d, false, false));
+          out(i, j) += x(i, j) * (pre ? r(kg, ka) : block_coefficient(cg(0) + s0, ca(0) + s0, cg(0) + s0, ca(0) + s0, d, false, false));
         });
   }
   const Part m(work.data(), g, ka);
   gemm(exec, "N", "N", T(1), x, f.ua, T(0), m);  // M = X U_A
   Kokkos::parallel_for(
       "kfac::randomized::scale_columns", ColumnMajorRange<Exec>(exec, {0, 0}, {g, ka}), KOKKOS_LAMBDA(int i, int j) {
-        m(i, j) *= pre ? r(kg, j) : block_coefficient(cg(0), la(j), cg(0), ca(0), d, has_a, false);
+        m(i, j) *= pre ? r(kg, j) : block_coefficient(cg(0) + s0, la(j) + s0, cg(0) + s0, ca(0) + s0, d, has_a, false);
       });
   gemm(exec, "N", "T", T(1), m, f.ua, T(1), out);  // + M diag(beta) U_A^T
 }
@@ -268,6 +284,7 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
 /// | int | oversampling | p: extra columns of the range finder, >= 0 (l = min(k + p, n) columns; k + p >= n decomposes exactly and keeps the top k) | 16 |
 /// | int | power_iterations | q: products with F between the first and the Rayleigh-Ritz step, each after an orthonormalization, >= 0 | 1 |
 /// | bool | warm_start | start from the last basis U (and p columns of the test matrix) once the factorization holds one (subspace iteration across decompositions); false: from the test matrix every time | true |
+/// | bool | factored_damping | \f$(\tilde G + \sqrt\gamma I)^{-1} X (\tilde A + \sqrt\gamma I)^{-1}\f$ (Cholesky's form, \f$\pi = 1\f$) instead of \f$(\tilde G \otimes \tilde A + \gamma I)^{-1}\f$ | false |
 /// | uint64 | seed | of the test matrix \f$\Omega\f$ (standard_normal: the same bits on every rank and backend) | 0x6b666163 |
 ///
 /// Split preconditioning: `split_passes` = 0, the layer is not divided (its apply is already
@@ -286,6 +303,7 @@ struct RandomizedEigen {
   int oversampling = 16;
   int power_iterations = 1;
   bool warm_start = true;
+  bool factored_damping = false;
   std::uint64_t seed = default_seed;
 
   RandomizedEigen& with_rank(int k) {
@@ -307,23 +325,32 @@ struct RandomizedEigen {
     warm_start = on;
     return *this;
   }
+  /// Damps each factor by \f$\sqrt\gamma\f$: \f$(\tilde G + \sqrt\gamma I)^{-1} X (\tilde A + \sqrt\gamma I)^{-1}\f$,
+  /// the form of `Cholesky<>{}.with_pi_damping(false)` with the approximated factors, instead of
+  /// \f$(\tilde G \otimes \tilde A + \gamma I)^{-1}\f$.
+  RandomizedEigen& with_factored_damping(bool on) {
+    factored_damping = on;
+    return *this;
+  }
   RandomizedEigen& with_seed(std::uint64_t s) {
     seed = s;
     return *this;
   }
 
-  /// Every setting ("r=64,p=16,q=1", then ",cold" and ",seed=.." when not the defaults).
+  /// Every setting ("r=64,p=16,q=1", then ",cold", ",factored" and ",seed=.." when not the defaults).
   std::string settings() const {
     std::string s = "r=" + std::to_string(rank) + ",p=" + std::to_string(oversampling) + ",q=" +
                     std::to_string(power_iterations);
     if (!warm_start) s += ",cold";
+    if (factored_damping) s += ",factored";
     if (seed != default_seed) s += ",seed=" + std::to_string(seed);
     return s;
   }
   /// The settings of a layer with factors of a_dim and g_dim: "exact" when both are decomposed
-  /// exactly (rank >= both), where no setting changes the result; else settings().
+  /// exactly (rank >= both), where no other setting changes the result ("exact,factored" with
+  /// factored damping); else settings().
   std::string settings(index_t a_dim, index_t g_dim) const {
-    return rank >= a_dim && rank >= g_dim ? "exact" : settings();
+    return rank >= a_dim && rank >= g_dim ? (factored_damping ? "exact,factored" : "exact") : settings();
   }
   /// Columns kept for an n x n factor.
   index_t kept(index_t n) const { return rank < n ? rank : n; }
@@ -370,10 +397,12 @@ struct RandomizedEigen {
     impl::SolverWorkspace<T, Exec> workspace;
     /// Decompositions computed here: exactly (k + p >= n), from the test matrix, from the last basis.
     long exact = 0, cold = 0, warm = 0;
+    bool factored = false;  ///< RandomizedEigen::factored_damping
 
     Factorization(index_t n, const RandomizedEigen& s)
         : u(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::randomized::u"), n, s.kept(n)),
-          lambda("kfac::randomized::lambda", s.kept(n)), complement("kfac::randomized::complement", 1) {}
+          lambda("kfac::randomized::lambda", s.kept(n)), complement("kfac::randomized::complement", 1),
+          factored(s.factored_damping) {}
     std::size_t bytes() const { return (u.size() + lambda.size() + complement.size()) * sizeof(T); }
     std::vector<impl::Buffer> buffers() const {
       return {impl::buffer_of(u), impl::buffer_of(lambda), impl::buffer_of(complement)};
@@ -441,7 +470,7 @@ struct RandomizedEigen {
 
   template <class T, class Exec>
   static impl::LowRankPair<T, Exec> factors_of(const Factorization<T, Exec>& a, const Factorization<T, Exec>& g) {
-    return {a.u, g.u, a.lambda, g.lambda, a.complement, g.complement};
+    return {a.u, g.u, a.lambda, g.lambda, a.complement, g.complement, a.factored};
   }
 
   /// Every coefficient of the apply for `damping` (impl::low_rank_reciprocal;
