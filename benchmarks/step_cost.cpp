@@ -20,7 +20,8 @@
 /// eigen or cholesky, a decomposition every `interval` steps; `/dN`: Options::decomposition_delay
 /// N, the decompositions computed on a second host thread where the backend allows it: time
 /// those with the wall clock, which the thread CPU clock does not see; `/rT`, eigen only:
-/// Eigendecomposition::with_refresh_tolerance T) and prints the phase table:
+/// Eigendecomposition::with_refresh_tolerance T; inverse randomized: kfac::RandomizedEigen,
+/// `/kR` its rank, default the demo's) and prints the phase table:
 /// observe (the observe_* and set_gradient calls), factor update, decomposition, precondition,
 /// KL clip (with the write-back), the rest of step() (checks), the K-FAC overhead (all of it)
 /// and forward + backward (the step without the overhead), each as median and amortized mean
@@ -63,6 +64,7 @@ struct Args {
     int every = 0;
     long delay = 0;
     double refresh = 0;
+    int rank = 0;  // randomized: /kR, 0 = the demo's
   };
   std::vector<KfacConfig> kfac_configs;
   double lr = 0, damping = 0, kl_clip = -1, decay = -1;  // 0 / -1: the demo's
@@ -98,14 +100,18 @@ Args parse(int argc, char** argv) {
       for (const std::string& item : bench::split(v)) {
         const auto parts = bench::split(item, '/');
         Args::KfacConfig c{parts[0], parts.size() > 1 ? std::atoi(parts[1].c_str()) : 0};
-        bool ok = parts.size() >= 2 && (c.inverse == "eigen" || c.inverse == "cholesky") && c.every >= 1;
+        bool ok = parts.size() >= 2 && (c.inverse == "eigen" || c.inverse == "cholesky" || c.inverse == "randomized") &&
+                  c.every >= 1;
         for (std::size_t k = 2; ok && k < parts.size(); ++k) {
           const std::string& p = parts[k];
           if (p.size() > 1 && p[0] == 'd') ok = (c.delay = std::atol(p.c_str() + 1)) >= 1;
           else if (p.size() > 1 && p[0] == 'r') ok = c.inverse == "eigen" && (c.refresh = std::atof(p.c_str() + 1)) > 0 && c.refresh < 1;
+          else if (p.size() > 1 && p[0] == 'k') ok = c.inverse == "randomized" && (c.rank = std::atoi(p.c_str() + 1)) >= 1;
           else ok = false;
         }
-        if (!ok) usage(("--kfac-configs: expected eigen/N or cholesky/N, then /dD and (eigen) /rT, got " + item).c_str());
+        if (!ok)
+          usage(("--kfac-configs: expected eigen/N, cholesky/N or randomized/N, then /dD, (eigen) /rT and (randomized) /kR, got " +
+                 item).c_str());
         a.kfac_configs.push_back(c);
       }
     }
@@ -193,7 +199,7 @@ int run(const Args& a) {
 
   std::vector<std::unique_ptr<nn::Trainer>> trainers;
   std::vector<Series> series;
-  auto add = [&](nn::OptimizerKind k, const std::string& inverse, int inv_every, long delay, double refresh) {
+  auto add = [&](nn::OptimizerKind k, const std::string& inverse, int inv_every, long delay, double refresh, int rank) {
     nn::TrainSettings s;
     s.model = a.model;
     s.optimizer = k;
@@ -206,6 +212,7 @@ int run(const Args& a) {
     if (!inverse.empty()) s.kfac.inverse = inverse;
     s.kfac.decomposition_delay = delay;
     s.kfac.eigen_refresh = refresh;
+    if (rank > 0) s.kfac.rank = rank;
     if (a.damping > 0) s.kfac.damping = a.damping;
     if (a.kl_clip >= 0) s.kfac.kl_clip = a.kl_clip;
     if (a.decay >= 0) s.kfac.factor_decay = a.decay;
@@ -221,12 +228,13 @@ int run(const Args& a) {
       std::snprintf(t, sizeof t, "/r%g", refresh);
       r.label += t;
     }
+    if (r.kfac && s.kfac.inverse == "randomized") r.label += "/k" + std::to_string(s.kfac.rank);
     series.push_back(std::move(r));
   };
   for (nn::OptimizerKind k : a.optimizers) {
-    if (k != nn::OptimizerKind::kfac || a.kfac_configs.empty()) add(k, "", 0, 0, 0);
+    if (k != nn::OptimizerKind::kfac || a.kfac_configs.empty()) add(k, "", 0, 0, 0, 0);
     else
-      for (const auto& c : a.kfac_configs) add(k, c.inverse, c.every, c.delay, c.refresh);
+      for (const auto& c : a.kfac_configs) add(k, c.inverse, c.every, c.delay, c.refresh, c.rank);
   }
 
   RegionClock& clock = RegionClock::get();

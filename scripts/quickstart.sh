@@ -7,7 +7,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KFAC_BUILD_DIR:-$root/build}
 "$root/scripts/install_deps.sh"
+source "$root/scripts/ccache.sh"
 # The same configuration as scripts/test.sh, so that running both commands builds once.
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_EXAMPLES=ON
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_EXAMPLES=ON "${ccache_args[@]}"
 cmake --build "$build" -j "$(nproc)" --target fashion_mnist
 "$build/examples/fashion_mnist" --out "$root/results" "$@"

@@ -23,6 +23,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KFAC_ASAN_BUILD_DIR:-$root/build-asan}
 start=$(date +%s)
+"$root/scripts/install_deps.sh"
+source "$root/scripts/ccache.sh"
 
 # -O1 -g: full sanitizer coverage, readable stacks, and compiles faster than -O2. NDEBUG is left
 # undefined on purpose, so Eigen's and kfac's own assertions are live too. GCC 12 with
@@ -31,7 +33,7 @@ start=$(date +%s)
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_CXX_FLAGS="-Wno-maybe-uninitialized" \
   -DKFAC_ENABLE_SANITIZERS=ON -DKFAC_ENABLE_TESTS=ON \
-  -DKFAC_ENABLE_EXAMPLES=OFF -DKFAC_ENABLE_BENCHMARKS=OFF -DKFAC_ENABLE_TORCH=OFF "$@"
+  -DKFAC_ENABLE_EXAMPLES=OFF -DKFAC_ENABLE_BENCHMARKS=OFF -DKFAC_ENABLE_TORCH=OFF "${ccache_args[@]}" "$@"
 cmake --build "$build" -j "${KFAC_BUILD_JOBS:-$(nproc)}"
 built=$(date +%s)
 

@@ -5,8 +5,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KFAC_BUILD_DIR:-$root/build}
 "$root/scripts/install_deps.sh"
+source "$root/scripts/ccache.sh"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_TESTS=ON \
-  -DKFAC_ENABLE_EXAMPLES=ON -DKFAC_ENABLE_BENCHMARKS=ON "$@"
+  -DKFAC_ENABLE_EXAMPLES=ON -DKFAC_ENABLE_BENCHMARKS=ON "${ccache_args[@]}" "$@"
 cmake --build "$build" -j "$(nproc)"
 cd "$build"
 ctest --output-on-failure -j "${KFAC_TEST_JOBS:-1}"

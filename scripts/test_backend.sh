@@ -12,10 +12,7 @@
 #           compile and link only, nothing runs (no GPU on the CI machine).
 # KFAC_BACKEND_BUILD_DIR overrides the build folder; KFAC_BUILD_JOBS (default 2) the parallelism;
 # KFAC_BACKEND_TARGETS (space-separated) builds only those targets instead of everything.
-# Compiles go through ccache (installed by install_deps.sh) with its cache in
-# ${KFAC_CACHE_DIR:-~/.cache/kfac}/ccache, next to the Kokkos prefixes, and the clone as base dir,
-# so a fresh clone on the same machine reuses the objects whose sources and headers did not
-# change; KFAC_CCACHE=0 compiles without it.
+# Compiles go through ccache (scripts/ccache.sh; KFAC_CCACHE=0 compiles without it).
 # Each phase's wall time is printed as "test_backend: <backend> <phase> <seconds> s".
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,11 +38,9 @@ phase kokkos
 # (which fork gloo workers) are written for.
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" -DKFAC_ENABLE_TESTS=ON
             -DKFAC_ENABLE_EXAMPLES=ON -DKFAC_ENABLE_BENCHMARKS=ON -DKFAC_ENABLE_PYTHON=OFF)
-if [ "${KFAC_CCACHE:-1}" = 1 ] && command -v ccache > /dev/null; then
-  export CCACHE_DIR=${KFAC_CACHE_DIR:-$HOME/.cache/kfac}/ccache CCACHE_BASEDIR=$root
-  cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-  ccache --zero-stats > /dev/null
-fi
+source "$root/scripts/ccache.sh"
+cmake_args+=("${ccache_args[@]}")
+[ ${#ccache_args[@]} -gt 0 ] && ccache --zero-stats > /dev/null
 if [ "$backend" = cuda ]; then
   cuda_bin=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")
   export PATH=$cuda_bin:$PATH
@@ -63,7 +58,7 @@ else
   cmake --build "$build" -j "$jobs"
 fi
 phase build
-if [ "${KFAC_CCACHE:-1}" = 1 ] && command -v ccache > /dev/null; then
+if [ ${#ccache_args[@]} -gt 0 ]; then
   log "$backend ccache: $(ccache --print-stats | awk -F'\t' '$1 == "direct_cache_hit" || $1 == "preprocessed_cache_hit" {h += $2} $1 == "cache_miss" {m = $2} END {print h + 0 " hits, " m + 0 " misses"}')"
 fi
 

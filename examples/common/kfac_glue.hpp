@@ -103,7 +103,7 @@ struct RecipeSettings {
 /// | long | factor_update_steps | steps between factor updates | 10 |
 /// | long | inv_update_steps | steps between decompositions | 100 |
 /// | string | inverse | "eigen" (kfac::Eigendecomposition), "cholesky" (damped inverses) or "randomized" (kfac::RandomizedEigen: top-`rank` eigenpairs, the rest as their mean) | eigen |
-/// | int | rank | kfac::RandomizedEigen::with_rank (inverse "randomized"): eigenpairs kept per factor | 64 |
+/// | int | rank | kfac::RandomizedEigen::with_rank (inverse "randomized"): eigenpairs kept per factor | 32 |
 /// | bool | factored_damping | kfac::RandomizedEigen::with_factored_damping (inverse "randomized"): each factor damped by √damping, the "cholesky" form | false |
 /// | bool | pi_damping | Cholesky's π-damping (kfac::Cholesky::with_pi_damping); off: π = 1, the form the sweeps tuned | false |
 /// | long | decomposition_delay | kfac::Options::decomposition_delay: decompositions used d steps after they fall due, computed meanwhile | 0 |
@@ -122,7 +122,7 @@ struct KfacSettings {
   long factor_update_steps = 10;
   long inv_update_steps = 100;
   std::string inverse = "eigen";
-  int rank = 64;
+  int rank = 32;
   bool factored_damping = false;
   bool pi_damping = false;
   long decomposition_delay = 0;

@@ -69,9 +69,9 @@ void usage() {
       "  --weight-decay X                L2 on weights (default 0)\n"
       "  --damping X --kl-clip X --factor-decay X --factor-every N --inv-every N\n"
       "                                  K-FAC settings (mlp 0.3, 1e-2, 0.95, 10, 100; cnn 0.1, 1e-3, 0.95, 10, 100)\n"
-      "  --inverse eigen|cholesky|randomized   K-FAC inversion of Dense/Conv2d factors (mlp cholesky, cnn eigen);\n"
+      "  --inverse eigen|cholesky|randomized   K-FAC inversion of Dense/Conv2d factors (mlp randomized, cnn eigen);\n"
       "                                  randomized: the top --rank eigenpairs of each factor, the rest as their mean\n"
-      "  --rank R                        eigenpairs kept per factor by --inverse randomized (default 64)\n"
+      "  --rank R                        eigenpairs kept per factor by --inverse randomized (default 32)\n"
       "  --factored-damping 0|1          --inverse randomized: damp each factor by sqrt(damping), the cholesky form\n"
       "                                  (mlp 1, cnn 0: the form each model's damping was tuned with)\n"
       "  --strategy comm-opt|hybrid|mem-opt   under mpiexec: KAISA's work assignment for K-FAC, i.e. the\n"
@@ -285,8 +285,13 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
     if (s.kfac.split_preconditioning) n += "+split";
     if (!s.kfac.overlap_communication) n += "+blocking";
   }
-  if (k == nn::OptimizerKind::kfac && s.kfac.inverse == "randomized")
-    n += "+rank" + std::to_string(s.kfac.rank) + (s.kfac.factored_damping ? "f" : "");
+  if (k == nn::OptimizerKind::kfac) {  // an inversion other than the model's default: "+cholesky", "+rank64f"
+    const nn::KfacSettings d = nn::default_kfac(s.model);
+    const auto& c = s.kfac;
+    if (c.inverse == "randomized" && (d.inverse != c.inverse || d.rank != c.rank || d.factored_damping != c.factored_damping))
+      n += "+rank" + std::to_string(c.rank) + (c.factored_damping ? "f" : "");
+    else if (c.inverse != d.inverse) n += "+" + c.inverse;
+  }
   if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
   if (k == nn::OptimizerKind::kfac && s.kfac.eigen_refresh > 0) {
     char b[32];

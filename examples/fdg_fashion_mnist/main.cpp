@@ -210,7 +210,7 @@ Run train_one(const Args& args, const std::string& mode, int stages, double beta
   const bool kfac = mode == "kfac" || mode == "fdg-kfac";
   const double lr = kfac ? args.kfac_lr : args.lr;
   nn::MlpStage stage(w, cuts[k], cuts[k + 1], seed, nn::SgdOptions{}.with_lr(lr).with_momentum(args.momentum));
-  if (kfac) {  // the MLP's K-FAC settings of the main demo (nn::default_kfac("mlp")), per stage
+  if (kfac) {  // the MLP's K-FAC settings of the main demo with exact damped inverses (its --inverse cholesky), per stage
     nn::KfacSettings s;
     s.lr = lr;
     s.momentum = args.momentum;
