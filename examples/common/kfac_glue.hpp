@@ -16,7 +16,9 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <cstdio>
 #include <type_traits>
+#include <vector>
 
 #if !defined(KFAC_EXAMPLES_WITHOUT_KFAC) && __has_include(<kfac/kfac.hpp>)
 #define KFAC_EXAMPLES_HAVE_KFAC 1
@@ -131,9 +133,15 @@ struct KfacSettings {
   /// 1 = COMM-OPT (every rank preconditions every layer), 1/world = MEM-OPT; 0 picks it from
   /// `strategy` and the world size.
   double grad_worker_fraction = 0;
-  std::string strategy = "comm-opt";  ///< comm-opt (f = 1), hybrid (f = 1/2), mem-opt (f = 1/world)
+  /// comm-opt (f = 1), hybrid (f = 1/2), mem-opt (f = 1/world), or auto: on several ranks the
+  /// fraction, split preconditioning and reduce-to-owner the cost model predicts fastest for
+  /// this network with `figures`, chosen at the first step (see KfacSgd::chosen()); a setting
+  /// marked as given below is kept.
+  std::string strategy = "auto";
   bool reduce_to_owner = false;       ///< kfac::Options::with_reduce_to_owner
   bool split_preconditioning = false; ///< kfac::Options::with_split_preconditioning
+  bool reduce_to_owner_given = false, split_preconditioning_given = false;  ///< set by the user: auto keeps them
+  ModelFigures figures;               ///< the machine figures --strategy auto predicts with
   bool overlap_communication = true;  ///< kfac::Options::with_overlap_communication
   /// kfac::recipes::large_batch with lr, damping and kl_clip above as the values tuned at the
   /// recipe's reference batch 256 (see recipe_of), or none.
@@ -144,18 +152,25 @@ struct KfacSettings {
 inline double resolve_grad_worker_fraction(const KfacSettings& s, int world_size) {
   if (s.grad_worker_fraction > 0) return s.grad_worker_fraction;
   const double mem = 1.0 / double(world_size > 0 ? world_size : 1);
-  if (s.strategy == "comm-opt") return 1.0;
+  if (s.strategy == "comm-opt" || world_size <= 1) return 1.0;
   if (s.strategy == "mem-opt") return mem;
   if (s.strategy == "hybrid") return mem > 0.5 ? mem : 0.5;
-  throw std::invalid_argument("unknown K-FAC strategy '" + s.strategy + "' (expected comm-opt, hybrid or mem-opt)");
+  if (s.strategy == "auto") return 0;  // chosen by KfacSgd at its first step
+  throw std::invalid_argument("unknown K-FAC strategy '" + s.strategy + "' (expected auto, comm-opt, hybrid or mem-opt)");
+}
+
+/// \brief True when KfacSgd chooses the distribution with the cost model (--strategy auto on several ranks).
+inline bool strategy_is_auto(const KfacSettings& s, int world_size) {
+  return world_size > 1 && s.grad_worker_fraction <= 0 && s.strategy == "auto";
 }
 
 #if KFAC_EXAMPLES_HAVE_KFAC
 
 /// \brief kfac::Options of `s`, for the mean-reduced loss of the examples' cross-entropy.
 inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
+  const double f = resolve_grad_worker_fraction(s, world_size);
   return kfac::Options{}
-      .with_grad_worker_fraction(resolve_grad_worker_fraction(s, world_size))
+      .with_grad_worker_fraction(f > 0 ? f : 1.0)
       .with_lr(s.lr)
       .with_damping(s.damping)
       .with_kl_clip(s.kl_clip)
@@ -229,19 +244,20 @@ class KfacSgd {
       lr_ = r.lr_schedule();
     }
     options_ = options;
+    settings_ = s;
+    world_ = world;
     cholesky_ = s.inverse == "cholesky";
     randomized_rank_ = s.inverse == "randomized" ? s.rank : 0;
     factored_damping_ = s.factored_damping;
     pi_damping_ = s.pi_damping;
     eigen_refresh_ = s.eigen_refresh;
-#if KFAC_EXAMPLES_HAVE_MPI
-    if (world.size() > 1)
-      mpi_ = std::make_unique<MpiPreconditioner>(options, ExecSpace(), kfac::MpiComm(world.comm()));
-#endif
-    if (world.size() > 1 && !mpi_) throw std::runtime_error("data-parallel K-FAC needs kfac built with MPI");
-    if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options);
-    with_preconditioner([&](auto& pre) { register_layers(net, pre); });
+    if (world.size() > 1 && !KFAC_EXAMPLES_HAVE_MPI) throw std::runtime_error("data-parallel K-FAC needs kfac built with MPI");
+    if (!strategy_is_auto(s, world.size())) construct(net);  // else at the first step, when the rows are known
   }
+
+  /// \brief Under --strategy auto on several ranks (after the first step): the distribution the
+  /// cost model chose and its prediction against the other candidates; empty otherwise.
+  const std::string& chosen() const { return chosen_; }
 
   /// \brief After forward and backward (and gradient averaging): hand kfac the observations and
   /// gradients, let it precondition the gradients in place, then take the SGD step with them.
@@ -251,6 +267,7 @@ class KfacSgd {
   void step(Network& net) {
     Kokkos::Profiling::pushRegion("kfac::examples::kfac");
     const auto t0 = std::chrono::steady_clock::now();
+    if (!mpi_ && !serial_) choose_distribution(net);
     const long step = mpi_ ? mpi_->step_count() : serial_->step_count();  // the step being taken
     with_preconditioner([&](auto& pre) { precondition(net, pre); });
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -266,33 +283,11 @@ class KfacSgd {
   /// `world` ranks, with the observation rows of the last step's batch on this rank (times
   /// `world`: the global batch): what kfac_seconds() should come to per step. Call it after a step.
   KfacStepCost predicted(Network& net, int world, const ModelFigures& figures = {}) const {
-    kfac::CostModel model(figures.machine);
-    PlanOnto onto{model};
-    register_layers(net, onto);  // what the preconditioner registered
-    net.for_each_layer([&](const std::string& name, const auto& layer) {
-      using L = std::decay_t<decltype(layer)>;
-      long rows = 0;  // this rank's observation rows of the last step
-      if constexpr (std::is_same_v<L, Dense>) rows = long(layer.output_grad().extent(0));
-      if constexpr (std::is_same_v<L, Conv2d>) {
-        const auto& dy = layer.output_grad();  // (N, O, Ho, Wo): one row per sample and position
-        rows = long(dy.extent(0)) * long(dy.extent(2)) * long(dy.extent(3));
-      }
-      if (rows > 0) model.layer(name).with_observation_rows(kfac::index_t(rows) * world);
-    });
-    const kfac::CostPrediction p = model.predict(world, options_);
-    KfacStepCost c;
-    c.step_s = p.step_seconds();
-    c.factors_s = p.factor_compute_seconds;
-    c.averaging_s = p.factor_comm_seconds;
-    c.decomposition_s = p.decomposition_phase_seconds;
-    c.preconditioning_s = p.preconditioning_phase_seconds;
-    c.factor_interval = p.factor_interval;
-    c.inv_interval = p.inv_interval;
-    return c;
+    return cost_of(plan(net, world, figures).predict(world, options_));
   }
 
   /// \brief The KL-clip scale of the last step (1 = unclipped), for diagnostics.
-  double last_kl_scale() const { return mpi_ ? mpi_->last_kl_scale() : serial_->last_kl_scale(); }
+  double last_kl_scale() const { return mpi_ ? mpi_->last_kl_scale() : serial_ ? serial_->last_kl_scale() : 1.0; }
   /// \brief Bytes K-FAC's collectives sent from this rank so far (0 on one process).
   std::size_t bytes_sent() const {
 #if KFAC_EXAMPLES_HAVE_MPI
@@ -310,12 +305,104 @@ class KfacSgd {
 #endif
 
   kfac::Options options_;
+  KfacSettings settings_;
+  World world_;
+  std::string chosen_;
   std::function<double(long)> lr_;  ///< the recipe's learning rate; empty: constant
   bool cholesky_ = false, pi_damping_ = false;
   int randomized_rank_ = 0;  ///< > 0: kfac::RandomizedEigen with this rank
   bool factored_damping_ = false;
   double eigen_refresh_ = 0;
   double kfac_seconds_ = 0;
+
+  void construct(Network& net) {
+#if KFAC_EXAMPLES_HAVE_MPI
+    if (world_.size() > 1)
+      mpi_ = std::make_unique<MpiPreconditioner>(options_, ExecSpace(), kfac::MpiComm(world_.comm()));
+#endif
+    if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options_);
+    with_preconditioner([&](auto& pre) { register_layers(net, pre); });
+  }
+
+  /// --strategy auto: every gradient-worker count w dividing the P ranks (fraction w/P: COMM-OPT
+  /// w = P, HYBRID, MEM-OPT w = 1), with and without split preconditioning and reduce-to-owner (those the user set kept),
+  /// priced by the cost model for this network, the rows of the first batch and the measured
+  /// figures; the cheapest predicted step wins (the first listed on a tie). Rank 0's choice is
+  /// every rank's, so that ranks with slightly different figures still agree.
+  void choose_distribution(Network& net) {
+    const int world = world_.size();
+    const kfac::CostModel model = plan(net, world, settings_.figures);
+    std::vector<int> workers;  // P first: COMM-OPT wins ties
+    for (int w = world; w >= 1; --w)
+      if (world % w == 0) workers.push_back(w);
+    struct Candidate {
+      kfac::Options options;
+      double seconds;
+      std::string name;
+    };
+    std::vector<Candidate> candidates;
+    for (int w : workers)
+      for (int split = 0; split < 2; ++split)
+        for (int own = 0; own < 2; ++own) {
+          if (settings_.split_preconditioning_given && bool(split) != settings_.split_preconditioning) continue;
+          if (settings_.reduce_to_owner_given && bool(own) != settings_.reduce_to_owner) continue;
+          if (split && w == 1) continue;  // one gradient worker per layer: nothing to divide
+          const kfac::Options o = kfac::Options(options_).with_grad_worker_fraction(double(w) / double(world))
+                                      .with_split_preconditioning(split).with_reduce_to_owner(own);
+          char name[64];
+          std::snprintf(name, sizeof name, "%s%s%s", w == world ? "comm-opt" : w == 1 ? "mem-opt" : ("hybrid(" + std::to_string(w) + ")").c_str(),
+                        split ? "+split" : "", own ? "+own" : "");
+          candidates.push_back({o, model.predict(world, o).step_seconds(), name});
+        }
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < candidates.size(); ++i)
+      if (candidates[i].seconds < candidates[best].seconds) best = i;
+    std::vector<double> pick{world_.rank() == 0 ? double(best) : 0.0};
+    world_.sum(pick);
+    best = std::size_t(pick[0]);
+    options_ = candidates[best].options;
+    auto ms = [](double s) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%.2f ms", 1e3 * s);
+      return std::string(b);
+    };
+    chosen_ = candidates[best].name + " (cost model per step: " + ms(candidates[best].seconds);
+    for (std::size_t i = 0; i < candidates.size(); ++i)
+      if (i != best) chosen_ += "; " + candidates[i].name + " " + ms(candidates[i].seconds);
+    chosen_ += ")";
+    construct(net);
+  }
+
+  /// The cost model of this network as registered, with this rank's observation rows of the
+  /// last backward pass times `world` (the global batch).
+  kfac::CostModel plan(Network& net, int world, const ModelFigures& figures) const {
+    kfac::CostModel model(figures.machine);
+    PlanOnto onto{model};
+    register_layers(net, onto);  // what the preconditioner registers
+    net.for_each_layer([&](const std::string& name, const auto& layer) {
+      using L = std::decay_t<decltype(layer)>;
+      long rows = 0;  // this rank's observation rows of the last step
+      if constexpr (std::is_same_v<L, Dense>) rows = long(layer.output_grad().extent(0));
+      if constexpr (std::is_same_v<L, Conv2d>) {
+        const auto& dy = layer.output_grad();  // (N, O, Ho, Wo): one row per sample and position
+        rows = long(dy.extent(0)) * long(dy.extent(2)) * long(dy.extent(3));
+      }
+      if (rows > 0) model.layer(name).with_observation_rows(kfac::index_t(rows) * world);
+    });
+    return model;
+  }
+
+  static KfacStepCost cost_of(const kfac::CostPrediction& p) {
+    KfacStepCost c;
+    c.step_s = p.step_seconds();
+    c.factors_s = p.factor_compute_seconds;
+    c.averaging_s = p.factor_comm_seconds;
+    c.decomposition_s = p.decomposition_phase_seconds;
+    c.preconditioning_s = p.preconditioning_phase_seconds;
+    c.factor_interval = p.factor_interval;
+    c.inv_interval = p.inv_interval;
+    return c;
+  }
 
   /// Describes on a cost model what register_layer registers on the examples' preconditioners
   /// (Scalar float).
@@ -429,8 +516,12 @@ class KfacSgd {
   void step(Network&) {}
   double kfac_seconds() const { return 0.0; }
   KfacStepCost predicted(Network&, int, const ModelFigures& = {}) const { return {}; }
+  const std::string& chosen() const { return chosen_; }
   double last_kl_scale() const { return 1.0; }
   std::size_t bytes_sent() const { return 0; }
+
+ private:
+  std::string chosen_;
 };
 
 class GradientSync {

@@ -74,8 +74,9 @@ void usage() {
       "  --rank R                        eigenpairs kept per factor by --inverse randomized (default 32)\n"
       "  --factored-damping 0|1          --inverse randomized: damp each factor by sqrt(damping), the cholesky form\n"
       "                                  (mlp 1, cnn 0: the form each model's damping was tuned with)\n"
-      "  --strategy comm-opt|hybrid|mem-opt   under mpiexec: KAISA's work assignment for K-FAC, i.e. the\n"
-      "                                  gradient-worker fraction 1, 1/2 or 1/P (default comm-opt)\n"
+      "  --strategy auto|comm-opt|hybrid|mem-opt   under mpiexec: KAISA's work assignment for K-FAC, i.e. the\n"
+      "                                  gradient-worker fraction 1, 1/2 or 1/P; auto: the fraction, split preconditioning\n"
+      "                                  and reduce-to-owner (unless given) the cost model predicts fastest (default auto)\n"
       "  --grad-worker-fraction F        the fraction itself, in [1/P, 1] (overrides --strategy)\n"
       "  --reduce-to-owner 0|1           under mpiexec: sum each K-FAC factor only to the rank that inverts it (default 0)\n"
       "  --split-preconditioning 0|1     under mpiexec: divide each layer's preconditioning among its gradient workers\n"
@@ -197,8 +198,13 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--factored-damping") num(a.train.kfac.factored_damping);
     else if (key == "--strategy") a.train.kfac.strategy = value;
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
-    else if (key == "--reduce-to-owner") num(a.train.kfac.reduce_to_owner);
-    else if (key == "--split-preconditioning") num(a.train.kfac.split_preconditioning);
+    else if (key == "--reduce-to-owner") {
+      num(a.train.kfac.reduce_to_owner);
+      a.train.kfac.reduce_to_owner_given = true;
+    } else if (key == "--split-preconditioning") {
+      num(a.train.kfac.split_preconditioning);
+      a.train.kfac.split_preconditioning_given = true;
+    }
     else if (key == "--overlap-communication") num(a.train.kfac.overlap_communication);
     else if (key == "--model-figures") a.model_figures = value;
     else if (key == "--decomposition-delay") num(a.train.kfac.decomposition_delay);
@@ -236,8 +242,9 @@ Args parse(const std::vector<std::string>& argv) {
   if (a.train.kfac.inverse != "eigen" && a.train.kfac.inverse != "cholesky" && a.train.kfac.inverse != "randomized")
     throw std::invalid_argument("--inverse: expected eigen, cholesky or randomized");
   if (a.train.kfac.rank < 1) throw std::invalid_argument("--rank: expected >= 1");
-  if (a.train.kfac.strategy != "comm-opt" && a.train.kfac.strategy != "hybrid" && a.train.kfac.strategy != "mem-opt")
-    throw std::invalid_argument("--strategy: expected comm-opt, hybrid or mem-opt");
+  if (a.train.kfac.strategy != "auto" && a.train.kfac.strategy != "comm-opt" && a.train.kfac.strategy != "hybrid" &&
+      a.train.kfac.strategy != "mem-opt")
+    throw std::invalid_argument("--strategy: expected auto, comm-opt, hybrid or mem-opt");
   if (a.train.kfac.grad_worker_fraction < 0 || a.train.kfac.grad_worker_fraction > 1)
     throw std::invalid_argument("--grad-worker-fraction: expected a value in [1/P, 1]");
   return a;
@@ -275,8 +282,8 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
   if (s.recipe.name == "large-batch") n += "+lb";
   if (s.average_every > 0) n += "+avg" + std::to_string(s.average_every) + (s.average_momentum ? "m" : "");
   if (k == nn::OptimizerKind::kfac && world_size > 1) {
-    const double f = nn::resolve_grad_worker_fraction(s.kfac, world_size);
-    if (f < 1) {
+    const double f = nn::resolve_grad_worker_fraction(s.kfac, world_size);  // 0: auto
+    if (f > 0 && f < 1) {
       char b[32];
       std::snprintf(b, sizeof b, "+f%.3g", f);
       n += b;
@@ -431,6 +438,8 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
                 name.c_str(), 1e3 * measured, 1e3 * c.step_s, args.figures.measured ? "measured" : "default", 1e3 * c.factors_s, 1e3 * c.averaging_s, c.factor_interval,
                 1e3 * c.decomposition_s, c.inv_interval, 1e3 * c.preconditioning_s, c.step_s / measured);
   }
+  if (const nn::KfacSgd* kfac = trainer.kfac(); kfac && lead && !kfac->chosen().empty())
+    std::printf("[%s] distribution chosen by the cost model (--strategy auto): %s\n", name.c_str(), kfac->chosen().c_str());
   if (lead && world.size() > 1) {
     const double epochs_run = double(step) / steps;
     std::printf("[%s] communication: %.3g MB sent per epoch by rank 0 (%s)\n", name.c_str(),
@@ -462,12 +471,17 @@ int run(const Args& args, const nn::World& world) {
     std::printf("\ntimes count training steps only (test evaluations are excluded)\n");
     if (world.size() > 1 && std::find(kinds.begin(), kinds.end(), nn::OptimizerKind::kfac) != kinds.end()) {
       const double f = nn::resolve_grad_worker_fraction(args.train.kfac, world.size());
-      std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer%s)%s%s\n",
-                  f, args.train.kfac.grad_worker_fraction > 0 ? "--grad-worker-fraction" : args.train.kfac.strategy.c_str(),
-                  int(std::lround(f * world.size())), world.size(),
-                  args.train.kfac.split_preconditioning ? ", each a block of its rows (split preconditioning)" : "",
-                  args.train.kfac.reduce_to_owner ? ", factors reduced to their owners" : "",
-                  args.train.kfac.overlap_communication ? ", collectives overlapped" : ", blocking collectives");
+      if (f <= 0)
+        std::printf("K-FAC distribution: KAISA, the gradient-worker fraction, split preconditioning and reduce-to-owner "
+                    "the cost model predicts fastest (--strategy auto; chosen at the first step, printed after the run)%s\n",
+                    args.train.kfac.overlap_communication ? ", collectives overlapped" : ", blocking collectives");
+      else
+        std::printf("K-FAC distribution: KAISA, gradient-worker fraction %.3g (%s; %d of %d ranks precondition each layer%s)%s%s\n",
+                    f, args.train.kfac.grad_worker_fraction > 0 ? "--grad-worker-fraction" : args.train.kfac.strategy.c_str(),
+                    int(std::lround(f * world.size())), world.size(),
+                    args.train.kfac.split_preconditioning ? ", each a block of its rows (split preconditioning)" : "",
+                    args.train.kfac.reduce_to_owner ? ", factors reduced to their owners" : "",
+                    args.train.kfac.overlap_communication ? ", collectives overlapped" : ", blocking collectives");
     }
   }
 
@@ -494,6 +508,7 @@ int run(const Args& args, const nn::World& world) {
         s.optimizer = k;
         s.lr = lr;
         s.seed = seed;
+        s.kfac.figures = with_figures.figures;  // what --strategy auto predicts with
         runs.push_back(train_one(with_figures, s, world, train, test, log.get()));
       }
   if (!lead) return 0;

@@ -87,6 +87,14 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
   if (KFAC_EXAMPLES_HAVE_KFAC) {
     cases.push_back({nn::OptimizerKind::kfac, "eigen", 2e-3});
     cases.push_back({nn::OptimizerKind::kfac, "cholesky", 5e-3});
+    // The demo's MLP default (RandomizedEigen rank 32, factored damping, distribution chosen by
+    // the cost model). Keeping the top k of l Ritz values is not continuous where values near
+    // the k-th are nearly equal (the running factors start from a multiple of the identity), so
+    // float rounding in the sums can keep another subspace: first-step drift measured up to
+    // 0.016 (4 ranks; 0.03-0.05 at ranks 128-512, 0.12 with the eigen form of damping), against
+    // the O(1) of a wrong split or average. tests/test_mpi_distributed.cpp checks the low-rank
+    // path over MPI in double to 1e-10.
+    cases.push_back({nn::OptimizerKind::kfac, "randomized", 5e-2});
     cases.push_back({nn::OptimizerKind::sgd, "", 3e-6, true});
     cases.push_back({nn::OptimizerKind::kfac, "eigen", 2e-3, true});
   }
