@@ -90,6 +90,8 @@ struct LayerShape {
   MemoryReport planned[2][2][2];
 
   /// \tparam Scalar the Preconditioner's Scalar.
+  /// \param name [in] the layer's name, as register_layer takes it.
+  /// \param layer [in] its shape (kfac::Dense, kfac::Conv2d, kfac::BatchNorm2d, ...), as register_layer takes it.
   /// \param method [in] a method object (kfac::KFAC<...>, kfac::UnitWiseFisher, kfac::NGSGD, or
   /// one of your own), as register_layer takes it.
   template <class Scalar = double, class LayerType, class Method>
@@ -396,6 +398,8 @@ class CostModel {
   CostPrediction predict(int world, const Options& options = Options{}) const {
     return predict(world, options, Kaisa::from_options(options));
   }
+  /// \param world [in] number of ranks.
+  /// \param options [in] the Preconditioner's options (numerics and schedule).
   /// \param policy [in] the kfac::Kaisa policy object passed to the Preconditioner (its
   ///        placement included), with `options` holding the rest.
   CostPrediction predict(int world, const Options& options, const Kaisa& policy) const {
