@@ -174,11 +174,11 @@ struct LowRankPair {
   /// Factored damping: \f$w(x, y) = 1/((x + \sqrt\gamma)(y + \sqrt\gamma))\f$, the solve with
   /// \f$(\tilde G + \sqrt\gamma I) \otimes (\tilde A + \sqrt\gamma I)\f$ (Cholesky's form with \f$\pi = 1\f$).
   bool factored = false;
-  /// The shift s added to every eigenvalue and the d of \f$1/((x + s)(y + s) + d)\f$:
-  /// \f$(\sqrt\gamma, 0)\f$ when factored, else \f$(0, \gamma)\f$ (x + 0 is x: the same bits).
-  std::pair<T, T> shift_and_damping(double damping) const {
-    return factored ? std::pair<T, T>(T(std::sqrt(damping)), T(0)) : std::pair<T, T>(T(0), T(damping));
-  }
+  /// The shift s added to every eigenvalue in \f$1/((x + s)(y + s) + d)\f$: \f$\sqrt\gamma\f$
+  /// when factored, else 0 (x + 0 is x: the same bits).
+  T shift(double damping) const { return factored ? T(std::sqrt(damping)) : T(0); }
+  /// The d of \f$1/((x + s)(y + s) + d)\f$: 0 when factored, else \f$\gamma\f$.
+  T added(double damping) const { return factored ? T(0) : T(damping); }
 };
 
 /// \brief A coefficient of low_rank_apply, with \f$w(x, y) = 1/(xy + \gamma)\f$:
@@ -204,7 +204,7 @@ template <class T, class Exec>
 void low_rank_reciprocal(const Exec& exec, const LowRankPair<T, Exec>& f, double damping, const Matrix<T, Exec>& r) {
   const int kg = int(f.ug.extent(1)), ka = int(f.ua.extent(1));
   const bool has_g = kg < int(r.extent(0)), has_a = ka < int(r.extent(1));
-  const auto [s, d] = f.shift_and_damping(damping);
+  const T s = f.shift(damping), d = f.added(damping);
   auto la = f.la, lg = f.lg, ca = f.ca, cg = f.cg;
   Kokkos::parallel_for(
       "kfac::randomized::reciprocal", ColumnMajorRange<Exec>(exec, {0, 0}, {kg + has_g, ka + has_a}),
@@ -235,8 +235,7 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
     eigenbasis_apply(exec, f.ua, f.la, f.ug, f.lg, x, damping, r, work, out);
     return;
   }
-  const auto [sh, d] = f.shift_and_damping(damping);
-  const T s0 = sh;  // a plain copy: structured bindings cannot be captured by KOKKOS_LAMBDA in C++17
+  const T s0 = f.shift(damping), d = f.added(damping);
   const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
   auto la = f.la, lg = f.lg, ca = f.ca, cg = f.cg;
   const Part k(work.data(), kg, a), s(out.data(), kg, ka);
