@@ -52,8 +52,8 @@ def main(argv):
         if hit:
             g["epochs"].append(hit[0] / spe)
             g["time"].append(hit[1])
-    order = sorted(groups, key=lambda n: ["sgd", "adam", "kfac", "ngsgd"].index(n.split("+")[0]) if n.split("+")[0] in
-                   ["sgd", "adam", "kfac", "ngsgd"] else 9)
+    families = ["sgd", "adam", "kfac", "ngsgd"]
+    order = sorted(groups, key=lambda n: families.index(n.split("+")[0]) if n.split("+")[0] in families else len(families))
     sgd = groups.get("sgd")
     print(f"Fashion-MNIST MLP, batch 256, {epochs} epochs; target {100 * target:.0f}% test accuracy; "
           "mean ± sample standard deviation over seeds")

@@ -246,11 +246,6 @@ class KfacSgd {
     options_ = options;
     settings_ = s;
     world_ = world;
-    cholesky_ = s.inverse == "cholesky";
-    randomized_rank_ = s.inverse == "randomized" ? s.rank : 0;
-    factored_damping_ = s.factored_damping;
-    pi_damping_ = s.pi_damping;
-    eigen_refresh_ = s.eigen_refresh;
     if (world.size() > 1 && !KFAC_EXAMPLES_HAVE_MPI) throw std::runtime_error("data-parallel K-FAC needs kfac built with MPI");
     if (!strategy_is_auto(s, world.size())) construct(net);  // else at the first step, when the rows are known
   }
@@ -305,14 +300,10 @@ class KfacSgd {
 #endif
 
   kfac::Options options_;
-  KfacSettings settings_;
+  KfacSettings settings_;  ///< the inversion and its settings registered, and what --strategy auto chooses among
   World world_;
   std::string chosen_;
   std::function<double(long)> lr_;  ///< the recipe's learning rate; empty: constant
-  bool cholesky_ = false, pi_damping_ = false;
-  int randomized_rank_ = 0;  ///< > 0: kfac::RandomizedEigen with this rank
-  bool factored_damping_ = false;
-  double eigen_refresh_ = 0;
   double kfac_seconds_ = 0;
 
   void construct(Network& net) {
@@ -426,13 +417,14 @@ class KfacSgd {
   void register_layers(Network& net, Pre& pre) const {
     auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
       using K = std::decay_t<decltype(kfac_layer)>;
-      if (cholesky_) pre.register_layer(name, kfac_layer, cholesky_method(pi_damping_));
-      else if (randomized_rank_ > 0)
+      const KfacSettings& s = settings_;
+      if (s.inverse == "cholesky") pre.register_layer(name, kfac_layer, cholesky_method(s.pi_damping));
+      else if (s.inverse == "randomized")
         pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::RandomizedEigen<>, kfac::Precision<float>>(
-                                                 kfac::RandomizedEigen<>{}.with_rank(randomized_rank_).with_factored_damping(factored_damping_)));
-      else if (eigen_refresh_ > 0)
+                                                 kfac::RandomizedEigen<>{}.with_rank(s.rank).with_factored_damping(s.factored_damping)));
+      else if (s.eigen_refresh > 0)
         pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(
-                                                 kfac::Eigendecomposition<>{}.with_refresh_tolerance(eigen_refresh_)));
+                                                 kfac::Eigendecomposition<>{}.with_refresh_tolerance(s.eigen_refresh)));
       else pre.register_layer(name, kfac_layer, typename kfac::default_method<K>::type{});
     };
     net.for_each_layer([&](const std::string& name, const auto& layer) {
