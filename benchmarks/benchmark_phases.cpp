@@ -40,7 +40,7 @@
 namespace {
 
 using Exec = Kokkos::DefaultHostExecutionSpace;
-using Layer = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
+using Layer = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
                                    kfac::DoublePrecision, double, Exec>;
 using Clock = std::chrono::steady_clock;
 using Observation = Kokkos::View<const double**, Kokkos::LayoutRight, Kokkos::HostSpace,

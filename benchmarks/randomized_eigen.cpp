@@ -39,7 +39,7 @@ namespace {
 
 using Exec = Kokkos::DefaultHostExecutionSpace;
 template <class Inverse>
-using Layer = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, Inverse, kfac::DoublePrecision, double, Exec>;
+using Layer = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, Inverse, kfac::DoublePrecision, double, Exec>;
 using Tensor = Layer<kfac::Eigendecomposition<>>::tensor_type;
 using Gradient = Kokkos::View<double**, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 

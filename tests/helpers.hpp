@@ -16,9 +16,9 @@ using Host = Kokkos::DefaultHostExecutionSpace;
 using Pre = kfac::Preconditioner<double, Host>;
 /// The concrete layer behind a registration with the given policies, for `layer_as`.
 template <class LayerType, class Factor = kfac::Symmetric, class Inverse = kfac::Eigendecomposition<>>
-using KLayer = kfac::KroneckerLayer<LayerType, Factor, Inverse, kfac::DoublePrecision, double, Host>;
+using KLayer = kfac::KroneckerBlock<LayerType, Factor, Inverse, kfac::DoublePrecision, double, Host>;
 template <class Factor = kfac::UnitWise>
-using BnLayer = kfac::BatchNormLayer<Factor, kfac::DoublePrecision, double, Host>;
+using BnLayer = kfac::BatchNormBlock<Factor, kfac::DoublePrecision, double, Host>;
 
 template <class T>
 using V1 = Kokkos::View<T*, Kokkos::LayoutRight, Kokkos::HostSpace>;

@@ -323,7 +323,7 @@ std::vector<double> host_values(const V& v) {
 }
 
 TEST_CASE("an eigendecomposition retry decomposes F + damping I, not F again", "[core][retry]") {
-  // Block level: decompose_retry(attempt >= 1) solves the shifted problem and takes the shift off
+  // Block level: decompose(attempt >= 1) solves the shifted problem and takes the shift off
   // the eigenvalues again: the same decomposition to rounding, but another computation.
   Pre pre(core_options());
   pre.register_layer("fc", kfac::Dense(6, 5));
@@ -337,7 +337,7 @@ TEST_CASE("an eigendecomposition retry decomposes F + damping I, not F again", "
   b.decompose(exec, 0, 1e-2);
   const auto q0 = host_values(b.decomposition_a()->q);
   const auto l0 = host_values(b.decomposition_a()->lambda);
-  b.decompose_retry(exec, 0, 0.5, 1);
+  b.decompose(exec, 0, 0.5, 1);
   const auto q1 = host_values(b.decomposition_a()->q);
   const auto l1 = host_values(b.decomposition_a()->lambda);
   REQUIRE(l0.size() == l1.size());

@@ -134,7 +134,7 @@ TEST_CASE("symmetric factors expose their packed upper triangle", "[factor][symm
   pre.observe_output_grad("fc", g);
   pre.set_gradient("fc", w, b);
   pre.step();
-  using L = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
+  using L = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
                                  kfac::DoublePrecision, double, Host>;
   const auto& layer = pre.layer_as<L>("fc");
   const auto packed = layer.packed_factor(0);

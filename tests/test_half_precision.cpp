@@ -90,9 +90,9 @@ TEST_CASE("binary16 conversions follow the IEEE definition", "[half][conversion]
 
 namespace {
 
-using HalfLayer = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::HalfPrecision,
+using HalfLayer = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::HalfPrecision,
                                        float, Host>;
-using FloatLayer = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
+using FloatLayer = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
                                         kfac::SinglePrecision, float, Host>;
 
 template <class Prec, class Inverse = kfac::Eigendecomposition<>>
@@ -204,7 +204,7 @@ TEST_CASE("preconditioning with half factors equals the dense solve on the store
         grad(i, in) = b(i);
       }
     }
-    using L = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::HalfPrecision, float, Host>;
+    using L = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::HalfPrecision, float, Host>;
     const MatrixXd fa = method == 0 ? symmetric_from_upper(pre.layer_as<HalfLayer>("fc").factor_a())
                                     : symmetric_from_upper(pre.layer_as<L>("fc").factor_a());
     const MatrixXd fg = method == 0 ? symmetric_from_upper(pre.layer_as<HalfLayer>("fc").factor_g())

@@ -146,9 +146,9 @@ TEST_CASE("half-precision factors average across ranks: bit-identical, tracking 
   // statistic (the average of every rank's batch: the single-process result on the concatenated
   // batch), computed here from every rank's inputs.
   const int rank = rank_in(), world = size_of();
-  using HalfBlock = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
+  using HalfBlock = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
                                          kfac::HalfPrecision, double, Host>;
-  using FloatBlock = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
+  using FloatBlock = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
                                           kfac::SinglePrecision, double, Host>;
   const long updates = 200;
   for (auto payload : {kfac::CommPrecision::native, kfac::CommPrecision::bfloat16}) {

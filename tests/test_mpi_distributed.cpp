@@ -132,8 +132,8 @@ std::vector<double> factors_of(const P& pre) {
       for (std::size_t j = 0; j < f->extent(1); ++j)
         for (std::size_t i = 0; i <= j; ++i) out.push_back((*f)(i, j));
   };
-  using Fc = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision, double, Host>;
-  using Conv = kfac::KroneckerLayer<kfac::Conv2d, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision, double, Host>;
+  using Fc = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision, double, Host>;
+  using Conv = kfac::KroneckerBlock<kfac::Conv2d, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision, double, Host>;
   add(pre.template layer_as<Fc>("fc1"));
   add(pre.template layer_as<Fc>("fc2"));
   add(pre.template layer_as<Conv>("conv"));

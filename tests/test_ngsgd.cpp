@@ -20,7 +20,7 @@ using Dense_ = Eigen::MatrixXd;  // column-major, for the linear algebra of the 
 namespace {
 
 template <class LayerType>
-using NgLayer = kfac::NGSGDLayer<LayerType, double, Host>;
+using NgLayer = kfac::NGSGDBlock<LayerType, double, Host>;
 
 // ------------------------------------------------------------------ dense reference
 /// F = R^T diag(d) R + rho I, updated as Povey et al. (2014) describe, with dense matrices:

@@ -17,7 +17,7 @@ using kaldi_ref::Vec;
 namespace {
 
 template <class LayerType>
-using NgLayer = kfac::NGSGDLayer<LayerType, double, Host>;
+using NgLayer = kfac::NGSGDBlock<LayerType, double, Host>;
 
 /// R and (d, rho) of one of kfac's estimates, as dense matrices.
 template <class Fisher>

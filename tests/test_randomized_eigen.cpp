@@ -233,7 +233,7 @@ TEST_CASE("rank < n: the dense solve with the returned low-rank-plus-identity fa
     MatrixXd got(14, 31);
     got.leftCols(30) = to_eigen(w);
     for (int i = 0; i < 14; ++i) got(i, 30) = b(i);
-    using FLayer = kfac::KroneckerLayer<kfac::Dense, kfac::Symmetric, RE, kfac::SinglePrecision, float, Host>;
+    using FLayer = kfac::KroneckerBlock<kfac::Dense, kfac::Symmetric, RE, kfac::SinglePrecision, float, Host>;
     const auto& layer = pre.layer_as<FLayer>("fc");
     const MatrixXd fa = approximation(*layer.decomposition_a()), fg = approximation(*layer.decomposition_g());
     CHECK(rel_err(got, dense_kronecker_solve(fa, fg, x, 1e-2)) < 1e-4);

@@ -252,7 +252,7 @@ TEST_CASE("skip_layers leaves a layer's gradient untouched", "[schedule][skip_la
 }
 
 TEST_CASE("memory_report of one Dense layer matches the documented formula", "[schedule][memory]") {
-  // KroneckerLayer::memory(): factors (a^2 + g^2) * sizeof(Factor) (a + g for Diagonal);
+  // KroneckerBlock::memory(): factors (a^2 + g^2) * sizeof(Factor) (a + g for Diagonal);
   // eigendecomposition (a^2 + a + g^2 + g) * sizeof(Decomposition), plus g * a for a
   // precomputed reciprocal; workspace 3 g a * sizeof(Decomposition) (2 g a for Diagonal) plus,
   // from the first observation on, the pending Gram matrices, the size of the factors whatever

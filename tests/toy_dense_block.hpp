@@ -20,15 +20,21 @@ class DenseToyBlock : public kfac::impl::Block<Scalar, Exec> {
   using typename base::grad_vector;
   using Mat = Kokkos::View<double**, Kokkos::LayoutRight, typename Exec::memory_space>;
 
-  DenseToyBlock(std::string name, const kfac::Dense& layer)
-      : base(std::move(name)), layer_(layer), g_(int(layer.out())), c_(int(layer.in()) + (layer.bias() ? 1 : 0)) {}
+  /// `d`: the toy's description; the gradient's shape is filled in here.
+  DenseToyBlock(std::string name, const kfac::Dense& layer, kfac::impl::BlockDescription d)
+      : base(std::move(name), with_shape(std::move(d), layer)), layer_(layer), g_(int(layer.out())),
+        c_(int(layer.in()) + (layer.bias() ? 1 : 0)) {}
 
-  kfac::index_t weight_rows() const override { return layer_.out(); }
-  kfac::index_t weight_cols() const override { return layer_.in(); }
-  bool has_bias() const override { return layer_.bias(); }
   std::string check_input(const kfac::impl::Extents& e) const override { return layer_.check_input(e); }
   std::string check_output_grad(const kfac::impl::Extents& e) const override {
     return layer_.check_output_grad(e, e);
+  }
+
+  static kfac::impl::BlockDescription with_shape(kfac::impl::BlockDescription d, const kfac::Dense& layer) {
+    d.rows = layer.out();
+    d.cols = layer.in();
+    d.bias = layer.bias();
+    return d;
   }
 
  protected:

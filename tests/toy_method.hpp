@@ -36,10 +36,17 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  ScaledIdentityBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer) {}
+  ScaledIdentityBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer, describe(layer)) {}
 
-  const char* kind() const override { return "toy"; }
-  std::string signature() const override { return this->layer_.describe() + "/scaled_identity"; }
+  /// One unit (the scalar 1 / (s + damping)); the checkpoint holds s and the input counter.
+  static kfac::impl::BlockDescription describe(const kfac::Dense& layer) {
+    kfac::impl::BlockDescription d;
+    d.kind = "toy";
+    d.signature = layer.describe() + "/scaled_identity";
+    d.checkpoint = {{1, 8}, {1, 8}};
+    d.units = {{{1.0, 1.0}, {{1, 8}}}};
+    return d;
+  }
   void observe_input(const Exec&, const tensor_type& x) override {
     for (std::size_t i = 0; i < x.span(); ++i) sumsq_ += double(x.data()[i]) * double(x.data()[i]);
     count_ += double(x.span());
@@ -66,18 +73,14 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   std::vector<kfac::impl::Buffer> checkpoint_state() override {
     return {kfac::impl::buffer_of(s_), kfac::impl::buffer_of(counter_)};
   }
-  std::vector<kfac::impl::BufferShape> checkpoint_shapes() const override { return {{1, 8}, {1, 8}}; }
   void allocate_state() override { allocate_state_buffers(); has_ = true; }
   void release_state() override { s_ = Vec(); counter_ = Vec(); has_ = false; }
 
-  int units() const override { return 1; }
-  kfac::impl::UnitCost unit_cost(int) const override { return {1.0, 1.0}; }
-  std::vector<kfac::impl::BufferShape> unit_shapes(int) const override { return {{1, 8}}; }
   void allocate_units() override {
     if (inv_.extent(0) == 0) inv_ = Vec("toy::inv", 1);
   }
   void release_units() override { inv_ = Vec(); }
-  void decompose(const Exec&, int, double damping) override {
+  void decompose(const Exec&, int, double damping, int) override {
     allocate_units();
     ++toy_decompose_calls;
     // A failing call leaves its buffer scribbled on: the rollback must undo that.
@@ -108,13 +111,13 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
     this->store_gradient(out_, nu, w, b);
   }
   kfac::MemoryReport memory() const override {
-    return {this->name(), kind(), (s_.span() + counter_.span()) * 8, inv_.span() * 8,
+    return {this->name(), this->kind(), (s_.span() + counter_.span()) * 8, inv_.span() * 8,
             (x_.span() + out_.span()) * 8};
   }
   kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
     const std::size_t x = std::size_t(this->g_) * std::size_t(this->c_);
-    if (skipped) return {this->name(), kind(), 0, 0, 0};
-    return {this->name(), kind(), 16, holder ? 8u : 0u, 2 * x * 8};
+    if (skipped) return {this->name(), this->kind(), 0, 0, 0};
+    return {this->name(), this->kind(), 16, holder ? 8u : 0u, 2 * x * 8};
   }
 
   double statistic() const { return has_ ? s_(0) : -1; }

@@ -35,17 +35,30 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  ShampooBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer) {}
+  ShampooBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer, describe(layer)) {}
 
-  const char* kind() const override { return "shampoo"; }
-  std::string signature() const override { return this->layer_.describe() + "/shampoo"; }
+  /// Two units, the roots of L (g x g) and R (c x c), each an eigendecomposition; the
+  /// checkpoint holds L and R. Planned work: preconditioning, (L root) X, then times (R root).
+  /// The statistics' two products come from the gradient, once per update whatever the batch,
+  /// which BlockPlan's per-row term cannot state: they are left unpriced.
+  static kfac::impl::BlockDescription describe(const kfac::Dense& layer) {
+    const int g = int(layer.out()), c = int(layer.in()) + (layer.bias() ? 1 : 0);
+    kfac::impl::BlockDescription d;
+    d.kind = "shampoo";
+    d.signature = layer.describe() + "/shampoo";
+    d.checkpoint = {{squared(g), 8}, {squared(c), 8}};
+    for (int side : {g, c}) {
+      const double n = side;
+      kfac::impl::UnitCost cost{n * n * n, n * n};
+      cost.work.eigh_n3 = n * n * n;
+      d.units.push_back({cost, {{squared(side), 8}}});
+    }
+    d.plan.apply.gemm_flops = 2.0 * g * c * double(g + c);
+    return d;
+  }
 
-  // Observations are checked for their shape (DenseToyBlock) and not used: the statistics come
-  // from the gradient.
-  void observe_input(const Exec&, const tensor_type&) override {}
-  void observe_output_grad(const Exec&, const tensor_type&, double) override {}
-  std::string observations_problem() const override { return {}; }  // the core checks the gradient
-  bool observations_overflow() const override { return false; }
+  // Observations are checked for their shape (DenseToyBlock) and not used (Block's defaults):
+  // the statistics come from the gradient.
   void clear_observations() override { pending_set_ = false; }
   /// Takes this step's gradient as the pending statistics' source (a retry replaces it).
   void observe_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
@@ -76,26 +89,15 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
   std::vector<kfac::impl::Buffer> checkpoint_state() override {
     return {kfac::impl::buffer_of(l_), kfac::impl::buffer_of(r_)};
   }
-  std::vector<kfac::impl::BufferShape> checkpoint_shapes() const override {
-    return {{squared(g_), 8}, {squared(c_), 8}};
-  }
   void allocate_state() override { allocate_state_buffers(); has_ = true; }
   void release_state() override { l_ = Mat(); r_ = Mat(); has_ = false; }
 
-  int units() const override { return 2; }
-  kfac::impl::UnitCost unit_cost(int u) const override {
-    const double n = dim(u);
-    kfac::impl::UnitCost cost{n * n * n, n * n};
-    cost.work.eigh_n3 = n * n * n;
-    return cost;
-  }
-  std::vector<kfac::impl::BufferShape> unit_shapes(int u) const override { return {{squared(dim(u)), 8}}; }
   void allocate_units() override {
     if (pl_.extent(0) == 0) { pl_ = Mat("shampoo::l_root", g_, g_); pr_ = Mat("shampoo::r_root", c_, c_); }
   }
   void release_units() override { pl_ = Mat(); pr_ = Mat(); }
   /// Unit u's (F + damping I)^{-1/4}, F = L (u = 0) or R (u = 1), through F = Q diag(lambda) Q^T.
-  void decompose(const Exec&, int u, double damping) override {
+  void decompose(const Exec&, int u, double damping, int) override {
     allocate_units();
     const Rows f = map(u == 0 ? l_ : r_);
     const Eigen::SelfAdjointEigenSolver<Rows> eig(f);
@@ -118,22 +120,14 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
     this->store_gradient(out_, nu, w, b);
   }
   kfac::MemoryReport memory() const override {
-    return {this->name(), kind(), (l_.span() + r_.span()) * 8, (pl_.span() + pr_.span()) * 8,
+    return {this->name(), this->kind(), (l_.span() + r_.span()) * 8, (pl_.span() + pr_.span()) * 8,
             (x_.span() + out_.span() + pending_.span()) * 8};
   }
   /// After a step every rank holds L, R, X, V and the pending gradient; holders also the roots.
   kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
-    if (skipped) return {this->name(), kind(), 0, 0, 0};
+    if (skipped) return {this->name(), this->kind(), 0, 0, 0};
     const std::size_t squares = (squared(g_) + squared(c_)) * 8;  // L and R, or their roots
-    return {this->name(), kind(), squares, holder ? squares : 0, 3 * std::size_t(g_) * c_ * 8};
-  }
-  /// Preconditioning: (L root) X, then times (R root). The statistics' two products come from
-  /// the gradient, once per update whatever the batch, which BlockPlan's per-row term cannot
-  /// state: they are left unpriced.
-  kfac::BlockPlan plan() const override {
-    kfac::BlockPlan p;
-    p.apply.gemm_flops = 2.0 * g_ * c_ * (g_ + c_);
-    return p;
+    return {this->name(), this->kind(), squares, holder ? squares : 0, 3 * std::size_t(g_) * c_ * 8};
   }
 
   /// The running statistics L and R, for the tests (column-major copies).
@@ -142,7 +136,6 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
 
  private:
   static std::size_t squared(int n) { return std::size_t(n) * std::size_t(n); }
-  int dim(int u) const { return u == 0 ? g_ : c_; }
   static Map map(const Mat& m) { return Map(m.data(), m.extent(0), m.extent(1)); }
   void allocate_state_buffers() {
     if (l_.extent(0) == 0) { l_ = Mat("shampoo::l", g_, g_); r_ = Mat("shampoo::r", c_, c_); }

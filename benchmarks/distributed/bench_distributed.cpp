@@ -303,7 +303,7 @@ void feed(Pre& pre, const Model& m, Data& d) {
 }
 
 template <class LayerType>
-using Kron = kfac::KroneckerLayer<LayerType, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision,
+using Kron = kfac::KroneckerBlock<LayerType, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::DoublePrecision,
                                   double, Host>;
 
 /// Times LAPACK dsyevd, called directly, on the factors this rank decomposes under the run's

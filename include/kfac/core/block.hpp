@@ -98,11 +98,49 @@ struct UnitCost {
   Work work{};
 };
 
+/// One decomposable unit of a block (K-FAC: the factor A or G): what decomposing it costs and
+/// the shapes of the buffers that carry it (Block::unit_buffers) between ranks.
+struct Unit {
+  UnitCost cost;
+  std::vector<BufferShape> shapes;
+};
+
+/// \brief What a block is, fixed when it is built: its method's constructor fills it, and the
+/// core, the distribution, checkpoints and the cost model read it instead of asking the block.
+struct BlockDescription {
+  const char* kind = "";  ///< the layer kind Options::skip_layers matches
+  /// Layer type, shape, method, its settings and precision: equal on every rank that
+  /// registered the same layer (the registration agreement compares it).
+  std::string signature;
+  index_t rows = 0, cols = 0;  ///< the weight gradient's shape
+  bool bias = false;
+  std::vector<BufferShape> checkpoint;  ///< the shapes of checkpoint_state()'s buffers
+  std::vector<Unit> units;              ///< decomposable units (closed forms: none)
+  /// True when decomposing one unit reads the other units' statistics (K-FAC's pi-damping
+  /// reads both factors' traces): reduce-to-owner then keeps them on one rank or on all.
+  bool units_coupled = false;
+  /// True when decompose(), after prepare_decomposition(), may run on a second host thread
+  /// while the first launches other kernels (Options::decomposition_delay): it launches only
+  /// range kernels and copies on a Kokkos::Serial space and calls LAPACK.
+  bool decomposes_off_thread = false;
+  /// Passes of a divided apply (0: not divisible; closed forms, BatchNorm, NG-SGD). Pass k
+  /// computes rows [r0, r1) of its output in preconditioned(); the ranks sharing the layer
+  /// gather every pass's rows before pass k + 1 starts, and the last pass's output is V.
+  int split_passes = 0;
+  /// Output rows of a divided apply (K-FAC: the weight gradient's rows g); row i is values
+  /// [i c, (i + 1) c) of preconditioned(), c = its count / split_rows.
+  index_t split_rows = 0;
+  /// The work of forming the statistics and of preconditioning, for the cost model (default:
+  /// neither is modelled).
+  BlockPlan plan;
+};
+
 /// \brief The per-layer unit a Preconditioner holds: one registered layer under one method.
 ///
 /// Contract (every method's block implements all of it; none needs stubs):
-/// - identity: name, kind (matched by Options::skip_layers), signature (layer type, shape,
-///   method and precision; equal on every rank that registered the same layer), gradient shape;
+/// - description: a value given to the constructor (BlockDescription): kind, signature,
+///   gradient shape, checkpoint shapes, the decomposable units with their costs, the split of
+///   the apply and the planned work; the accessors below read it, no virtual call;
 /// - observations: checks that return why an observation is refused (empty when valid), then
 ///   observe_*; pending observations become statistics only in update_statistics(), and stay
 ///   pending until clear_observations(), so a step that fails can be retried;
@@ -114,8 +152,9 @@ struct UnitCost {
 ///   (K-FAC: the running factors); checkpoint_state() is what a checkpoint must hold to resume
 ///   (everything averaged, plus state that must never be averaged, e.g. a method's private
 ///   subspaces). Both are views of the block's own buffers;
-/// - decomposable units (units(), K-FAC: A and G; closed forms: none): each is computed on one
-///   rank, shared as unit_buffers(u), and finish_decomposition() runs once all are in place;
+/// - decomposable units (BlockDescription::units, K-FAC: A and G; closed forms: none): each is
+///   computed on one rank by decompose(u), shared as unit_buffers(u), and
+///   finish_decomposition() runs once all are in place;
 /// - preconditioning: load_gradient, apply, inner_product (for KL clipping), preconditioned()
 ///   (the buffer shared with gradient receivers), write_back; optionally a divided apply
 ///   (split_passes, apply_rows) whose rows the layer's holders compute in parts and gather.
@@ -127,26 +166,41 @@ class Block {
   using grad_matrix = GradMatrix<Scalar, Exec>;
   using grad_vector = GradVector<Scalar, Exec>;
 
-  explicit Block(std::string name) : name_(std::move(name)) {}
+  Block(std::string name, BlockDescription description)
+      : name_(std::move(name)), description_(std::move(description)) {}
   virtual ~Block() = default;
   Block(const Block&) = delete;
   Block& operator=(const Block&) = delete;
 
   const std::string& name() const { return name_; }
-  virtual const char* kind() const = 0;
-  virtual std::string signature() const = 0;
-  virtual index_t weight_rows() const = 0;
-  virtual index_t weight_cols() const = 0;
-  virtual bool has_bias() const = 0;
+  /// What this block is (identity, gradient shape, units, split, planned work): fixed when built.
+  const BlockDescription& description() const { return description_; }
+  const char* kind() const { return description_.kind; }
+  const std::string& signature() const { return description_.signature; }
+  index_t weight_rows() const { return description_.rows; }
+  index_t weight_cols() const { return description_.cols; }
+  bool has_bias() const { return description_.bias; }
+  const std::vector<BufferShape>& checkpoint_shapes() const { return description_.checkpoint; }
+  /// Decomposable units (K-FAC: A and G; closed forms: none).
+  int units() const { return int(description_.units.size()); }
+  bool units_coupled() const { return description_.units_coupled; }
+  const UnitCost& unit_cost(int u) const { return description_.units[std::size_t(u)].cost; }
+  const std::vector<BufferShape>& unit_shapes(int u) const { return description_.units[std::size_t(u)].shapes; }
+  bool decomposes_off_thread() const { return description_.decomposes_off_thread; }
+  int split_passes() const { return description_.split_passes; }
+  index_t split_rows() const { return description_.split_rows; }
+  const BlockPlan& plan() const { return description_.plan; }
 
   virtual std::string check_input(const Extents& e) const = 0;
   virtual std::string check_output_grad(const Extents& e) const = 0;
-  virtual void observe_input(const Exec& exec, const tensor_type& x) = 0;
-  virtual void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) = 0;
+  // Observations. The defaults describe a method that takes none (its statistics come from the
+  // gradient, observe_gradient): it then overrides none of the four below.
+  virtual void observe_input(const Exec&, const tensor_type&) {}
+  virtual void observe_output_grad(const Exec&, const tensor_type&, double /*scale*/) {}
   /// Empty when the pending observations can form a statistics update, otherwise why not.
-  virtual std::string observations_problem() const = 0;
+  virtual std::string observations_problem() const { return {}; }
   /// True when the pending observations would overflow the statistics' type.
-  virtual bool observations_overflow() const = 0;
+  virtual bool observations_overflow() const { return false; }
   /// The largest value the pending observations' statistics can reach (K-FAC: the larger new
   /// factor's trace); a reduced-precision payload is checked against it. 0: not known.
   virtual double observations_scale() const { return 0; }
@@ -161,37 +215,23 @@ class Block {
   virtual bool has_statistics() const = 0;
   virtual std::vector<FactorBuffer> averaged_state() = 0;
   virtual std::vector<Buffer> checkpoint_state() = 0;
-  virtual std::vector<BufferShape> checkpoint_shapes() const = 0;
   /// Allocates the checkpoint state (to restore into it) and marks the statistics present.
   virtual void allocate_state() = 0;
   /// Frees the statistics and marks them absent.
   virtual void release_state() = 0;
 
-  // Decomposable units. The defaults describe a closed-form block (no units), which then
-  // overrides none of these.
-  virtual int units() const { return 0; }
-  /// True when decomposing one unit reads the other units' statistics (K-FAC's pi-damping
-  /// reads both factors' traces): reduce-to-owner then keeps them on one rank or on all.
-  virtual bool units_coupled() const { return false; }
-  virtual UnitCost unit_cost(int) const { return {}; }
-  virtual std::vector<BufferShape> unit_shapes(int) const { return {}; }
   virtual void allocate_units() {}
   /// Frees the decompositions and the buffers only their holder needs.
   virtual void release_units() {}
-  /// Computes unit u from the statistics, allocating the units if needed.
-  virtual void decompose(const Exec&, int, double) {}
-  /// Retry `attempt` (>= 1) of a failed decompose(), with the raised damping; a block whose
-  /// decomposition does not depend on the damping changes the problem here (K-FAC's
-  /// eigendecomposition solves F + damping I), so that a retry is not the same computation.
-  virtual void decompose_retry(const Exec& exec, int u, double damping, int) { decompose(exec, u, damping); }
+  /// Computes unit u from the statistics, allocating the units if needed. `attempt` >= 1 is a
+  /// retry of a failed decompose() with the raised damping: a block whose decomposition does
+  /// not depend on the damping changes the problem then (K-FAC's eigendecomposition solves
+  /// F + damping I), so that a retry is not the same computation.
+  virtual void decompose(const Exec&, int /*u*/, double /*damping*/, int /*attempt*/ = 0) {}
   virtual std::vector<Buffer> unit_buffers(int) { return {}; }
   /// Computes on the calling thread what decompose() reads besides the statistics (K-FAC: the
   /// pi of pi-damping, from the factors' traces), once per decomposition of the layer.
   virtual void prepare_decomposition(const Exec&) {}
-  /// True when decompose(), after prepare_decomposition(), may run on a second host thread
-  /// while the first launches other kernels (Options::decomposition_delay): it launches only
-  /// range kernels and copies on a Kokkos::Serial space and calls LAPACK.
-  virtual bool decomposes_off_thread() const { return false; }
   /// Called once every unit is in place (computed here or received).
   virtual void finish_decomposition(const Exec&, double, bool) {}
 
@@ -199,15 +239,7 @@ class Block {
   /// V = preconditioned X, into the block's output buffer.
   virtual void apply(const Exec& exec, double damping) = 0;
 
-  // Split preconditioning (Options::split_preconditioning). The defaults describe a block whose
-  // apply() is not divided (closed forms, BatchNorm, NG-SGD): it then overrides none of these.
-  /// Passes of a divided apply (0: not divisible). Pass k computes rows [r0, r1) of its output
-  /// in preconditioned(); the ranks sharing the layer gather every pass's rows before pass k + 1
-  /// starts, and the last pass's output is V.
-  virtual int split_passes() const { return 0; }
-  /// Output rows (K-FAC: the weight gradient's rows g); row i is values [i c, (i + 1) c) of
-  /// preconditioned(), c = its count / split_rows().
-  virtual index_t split_rows() const { return 0; }
+  // Split preconditioning (Options::split_preconditioning; BlockDescription::split_passes > 0).
   /// Pass `pass` of a divided apply, rows [r0, r1) (possibly empty) of its output.
   virtual void apply_rows(const Exec&, double, int, index_t, index_t) {}
   /// sum(V .* X), for KL clipping.
@@ -221,15 +253,13 @@ class Block {
   /// shapes without allocating: on a rank that holds the decompositions or not, for a skipped
   /// layer or not. The cost model reads this instead of restating the formula.
   virtual MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const = 0;
-  /// The work of forming the statistics and of preconditioning, for the cost model (the
-  /// default: neither is modelled).
-  virtual BlockPlan plan() const { return {}; }
 
   /// Kept for readers of the first API (statistics were called factors).
   bool has_factors() const { return has_statistics(); }
 
  private:
   std::string name_;
+  BlockDescription description_;
 };
 
 /// Rows [first, second) of `rows` that part `part` of `parts` computes under split

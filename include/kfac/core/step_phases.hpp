@@ -419,15 +419,14 @@ class StepPhases {
 
   /// A failed decomposition (LAPACK info, Cholesky breakdown, Newton-Schulz divergence, NaN/Inf
   /// in the result) is retried with damping x damping_retry_factor, up to max_damping_retries
-  /// times (Block::decompose_retry: a changed problem, not the same computation again), then
+  /// times (Block::decompose with attempt >= 1: a changed problem, not the same computation again), then
   /// reported.
   /// `first`: the first attempt already ran (a deferred decomposition), with this outcome.
   long with_retries(Block<Scalar, Exec>& b, int u, double damping, const std::exception_ptr* first = nullptr) {
     double d = damping;
     for (int attempt = 0;; ++attempt) {
       try {
-        if (attempt > 0) b.decompose_retry(exec_, u, d, attempt);
-        else if (!first) b.decompose(exec_, u, d);
+        if (attempt > 0 || !first) b.decompose(exec_, u, d, attempt);
         else if (*first) std::rethrow_exception(*first);
         for (const auto& buf : b.unit_buffers(u))
           if (nonfinite_in(exec_, buf) > 0)

@@ -77,7 +77,7 @@ struct KFAC : impl::LayerOverrides<KFAC<FactorPolicy, Inversion, Prec>> {
 
   /// The typed per-layer state, once the layer, Scalar and Exec are known.
   template <class LayerType, class Scalar, class Exec>
-  using block_type = KroneckerLayer<LayerType, FactorPolicy, Inversion,
+  using block_type = KroneckerBlock<LayerType, FactorPolicy, Inversion,
                                     impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>;
 
   template <class Scalar, class Exec, class LayerType>

@@ -132,8 +132,8 @@ struct host_thread_safe<P, std::void_t<decltype(P::host_thread_safe), typename P
 /// \tparam Exec the Kokkos execution space.
 template <class LayerType, class FactorPolicy, class InversePolicy, class Prec, class Scalar,
           class Exec>
-class KroneckerLayer final : public impl::Block<Scalar, Exec> {
-  static_assert(LayerType::is_kronecker, "KroneckerLayer needs a Kronecker layer type");
+class KroneckerBlock final : public impl::Block<Scalar, Exec> {
+  static_assert(LayerType::is_kronecker, "KroneckerBlock needs a Kronecker layer type");
   using F = typename Prec::factor_type;
   using C = impl::arithmetic_t<F>;  // observation rows and Gram products: float for Half
   using D = typename Prec::decomposition_type;
@@ -156,25 +156,58 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  KroneckerLayer(std::string name, const LayerType& layer, InversePolicy inversion = InversePolicy{})
-      : base(std::move(name)), layer_(layer), inversion_(std::move(inversion)), na_(layer.a_dim()),
-        ng_(layer.g_dim()) {}
+  KroneckerBlock(std::string name, const LayerType& layer, InversePolicy inversion = InversePolicy{})
+      : base(std::move(name), describe(layer, inversion)), layer_(layer), inversion_(std::move(inversion)),
+        na_(layer.a_dim()), ng_(layer.g_dim()) {}
 
-  const LayerType& layer() const { return layer_; }
-  const char* kind() const override { return LayerType::kind; }
-  std::string signature() const override {
+  /// The block's description: unit 0 is A, unit 1 is G (Diagonal: no units, a closed form).
+  static impl::BlockDescription describe(const LayerType& layer, const InversePolicy& inversion) {
+    const index_t na = layer.a_dim(), ng = layer.g_dim();
+    impl::BlockDescription d;
+    d.kind = LayerType::kind;
     std::string settings;
     if constexpr (diagonal) settings = "";
-    else if constexpr (impl::has_layer_settings<InversePolicy>::value) settings = inversion_.settings(na_, ng_);
-    else settings = inversion_.settings();
-    return layer_.describe() + "/" + FactorPolicy::name + "/" +
-           (diagonal ? "closed_form" : InversePolicy::name) +
-           (settings.empty() ? "" : "[" + settings + "]") + "/f" + std::to_string(sizeof(F)) +
-           "d" + std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
+    else if constexpr (impl::has_layer_settings<InversePolicy>::value) settings = inversion.settings(na, ng);
+    else settings = inversion.settings();
+    d.signature = layer.describe() + "/" + FactorPolicy::name + "/" +
+                  (diagonal ? "closed_form" : InversePolicy::name) +
+                  (settings.empty() ? "" : "[" + settings + "]") + "/f" + std::to_string(sizeof(F)) +
+                  "d" + std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
+    d.rows = layer.weight_rows();
+    d.cols = layer.weight_cols();
+    d.bias = layer.bias();
+    const std::size_t a = std::size_t(na), g = std::size_t(ng);
+    d.checkpoint = {{diagonal ? a : a * a, sizeof(F)}, {diagonal ? g : g * g, sizeof(F)}};
+    if constexpr (!diagonal) {
+      for (index_t n : {na, ng}) {
+        impl::Unit u{inversion.cost(n), {}};
+        u.cost.work.scalar = sizeof(D);
+        for (std::size_t c : inversion.counts(n)) u.shapes.push_back({c, sizeof(D)});
+        d.units.push_back(std::move(u));
+      }
+      if constexpr (impl::has_pi_damping<InversePolicy>::value) d.units_coupled = inversion.pi_damping;
+#if defined(KOKKOS_ENABLE_SERIAL)
+      if constexpr (impl::host_thread_safe<InversePolicy>::value)
+        d.decomposes_off_thread = std::is_same<Exec, Kokkos::Serial>::value &&
+                                  std::is_same<Kokkos::DefaultHostExecutionSpace, Kokkos::Serial>::value &&
+                                  impl::use_lapack_v<Exec, typename InversePolicy::backend_type>;
+#endif
+      d.split_passes = impl::split_passes_of<InversePolicy>::value;  // Diagonal: element-wise, not divided
+    }
+    d.split_rows = ng;
+    // Per observation row, forming it (a + g values written and read) and one syrk per factor,
+    // n (n + 1) flops (diagonal factors: 2 n); preconditioning as the inversion policy states
+    // it (diagonal factors: element-wise, not modelled).
+    const double da = double(na), dg = double(ng);
+    d.plan.statistics_per_row.gemm_flops = diagonal ? 2.0 * (da + dg) : da * (da + 1) + dg * (dg + 1);
+    d.plan.statistics_per_row.stream_bytes = 2.0 * double(sizeof(C)) * (da + dg);
+    d.plan.statistics_per_row.scalar = sizeof(C);
+    if constexpr (!diagonal) d.plan.apply = inversion.apply_work(ng, na);
+    d.plan.apply.scalar = sizeof(D);
+    return d;
   }
-  index_t weight_rows() const override { return layer_.weight_rows(); }
-  index_t weight_cols() const override { return layer_.weight_cols(); }
-  bool has_bias() const override { return layer_.bias(); }
+
+  const LayerType& layer() const { return layer_; }
 
   std::string check_input(const impl::Extents& e) const override {
     std::string why = layer_.check_input(e);
@@ -267,10 +300,6 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     a_samples_ = g_samples_ = 0;
   }
 
-  std::vector<impl::BufferShape> checkpoint_shapes() const override {
-    const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
-    return {{diagonal ? a : a * a, sizeof(F)}, {diagonal ? g : g * g, sizeof(F)}};
-  }
   std::vector<impl::Buffer> checkpoint_state() override {
     return {impl::buffer_of(a_), impl::buffer_of(g_)};
   }
@@ -301,29 +330,6 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
               {impl::buffer_of(g_), ng_, true, FactorPolicy::packed}};
   }
 
-  /// Unit 0 is A, unit 1 is G.
-  int units() const override { return diagonal ? 0 : 2; }
-  bool units_coupled() const override {
-    if constexpr (impl::has_pi_damping<InversePolicy>::value && !diagonal) return inversion_.pi_damping;
-    else return false;
-  }
-  impl::UnitCost unit_cost(int u) const override {
-    if constexpr (diagonal) {
-      (void)u;
-      return {};
-    } else {
-      impl::UnitCost c = inversion_.cost(u == 0 ? na_ : ng_);
-      c.work.scalar = sizeof(D);
-      return c;
-    }
-  }
-  std::vector<impl::BufferShape> unit_shapes(int u) const override {
-    std::vector<impl::BufferShape> r;
-    if constexpr (!diagonal)
-      for (std::size_t c : inversion_.counts(u == 0 ? na_ : ng_)) r.push_back({c, sizeof(D)});
-    (void)u;
-    return r;
-  }
   void allocate_units() override {
     if constexpr (!diagonal) {
       if (fa_) return;
@@ -342,12 +348,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     reciprocal_ = DMatrix();
     work_ = DMatrix();
   }
-  void decompose(const Exec& exec, int which, double damping) override {
-    decompose_retry(exec, which, damping, 0);
-  }
   /// Retries of an eigendecomposition (which ignores the damping) decompose A + damping I and
   /// take the damping off the eigenvalues again; explicit inverses use the raised damping.
-  void decompose_retry(const Exec& exec, int which, double damping, int attempt) override {
+  void decompose(const Exec& exec, int which, double damping, int attempt = 0) override {
     if constexpr (!diagonal) {
       allocate_units();
       const double shift = attempt > 0 && InversePolicy::damping_at_apply ? damping : 0.0;
@@ -361,14 +364,6 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     }
   }
   void prepare_decomposition(const Exec& exec) override { pi_ = pi_damping(exec); }
-  bool decomposes_off_thread() const override {
-#if defined(KOKKOS_ENABLE_SERIAL)
-    if constexpr (!diagonal && impl::host_thread_safe<InversePolicy>::value)
-      return std::is_same<Exec, Kokkos::Serial>::value && std::is_same<Kokkos::DefaultHostExecutionSpace, Kokkos::Serial>::value &&
-             impl::use_lapack_v<Exec, typename InversePolicy::backend_type>;
-#endif
-    return false;
-  }
   void finish_decomposition(const Exec& exec, double damping, bool precompute) override {
     if constexpr (!diagonal && InversePolicy::damping_at_apply) {
       if (precompute) {
@@ -411,11 +406,6 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
       InversePolicy::apply(exec, *fg_, *fa_, x_, damping, reciprocal_, work_, out_);
     }
   }
-  int split_passes() const override {
-    if constexpr (diagonal) return 0;  // element-wise: nothing worth dividing
-    else return impl::split_passes_of<InversePolicy>::value;
-  }
-  index_t split_rows() const override { return ng_; }
   /// Columns [r0, r1) of the transposed output out_ (a x g): rows r0..r1 of V.
   void apply_rows(const Exec& exec, double damping, int pass, index_t r0, index_t r1) override {
     if constexpr (impl::split_passes_of<InversePolicy>::value > 0 && !diagonal) {
@@ -453,7 +443,7 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   /// whatever the batch and their number. They are kept between steps, also on steps without a
   /// factor update, so that no step allocates them again.
   MemoryReport memory() const override {
-    MemoryReport r{this->name(), kind(), 0, 0, 0};
+    MemoryReport r{this->name(), this->kind(), 0, 0, 0};
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
     if (fa_) r.decomposition_bytes = fa_->bytes() + fg_->bytes();
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
@@ -462,29 +452,16 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
     return r;
   }
 
-  /// Per observation row, forming it (a + g values written and read) and one syrk per factor,
-  /// n (n + 1) flops (diagonal factors: 2 n); preconditioning as the inversion policy states it
-  /// (diagonal factors: element-wise, not modelled).
-  BlockPlan plan() const override {
-    BlockPlan p;
-    const double a = double(na_), g = double(ng_);
-    p.statistics_per_row.gemm_flops = diagonal ? 2.0 * (a + g) : a * (a + 1) + g * (g + 1);
-    p.statistics_per_row.stream_bytes = 2.0 * double(sizeof(C)) * (a + g);
-    p.statistics_per_row.scalar = sizeof(C);
-    if constexpr (!diagonal) p.apply = inversion_.apply_work(ng_, na_);
-    p.apply.scalar = sizeof(D);
-    return p;
-  }
   MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const override {
-    MemoryReport r{this->name(), kind(), 0, 0, 0};
+    MemoryReport r{this->name(), this->kind(), 0, 0, 0};
     if (skipped) return r;  // a skipped Kronecker layer never allocates
     const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
     r.factor_bytes = (diagonal ? a + g : a * a + g * g) * sizeof(F);
     r.workspace_bytes = (diagonal || !holder ? 2 : 3) * g * a * sizeof(D);  // x, out (+ work)
     r.workspace_bytes += (diagonal ? a + g : a * a + g * g) * sizeof(C);    // pending Gram matrices
     if (!diagonal && holder) {
-      for (int u = 0; u < units(); ++u)
-        for (const auto& [count, size] : unit_shapes(u)) r.decomposition_bytes += count * size;
+      for (const auto& unit : this->description().units)
+        for (const auto& [count, size] : unit.shapes) r.decomposition_bytes += count * size;
       if (InversePolicy::damping_at_apply && precompute) r.decomposition_bytes += g * a * sizeof(D);
     }
     return r;
@@ -608,5 +585,9 @@ class KroneckerLayer final : public impl::Block<Scalar, Exec> {
   std::unique_ptr<Fact> fa_, fg_;
   DMatrix reciprocal_, x_, work_, out_;
 };
+
+/// The former name (blocks were called layers until 2026-12), kept for code written against it.
+template <class LayerType, class FactorPolicy, class InversePolicy, class Prec, class Scalar, class Exec>
+using KroneckerLayer = KroneckerBlock<LayerType, FactorPolicy, InversePolicy, Prec, Scalar, Exec>;
 
 }  // namespace kfac

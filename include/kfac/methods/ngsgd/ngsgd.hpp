@@ -98,7 +98,7 @@ struct NGSGD : impl::LayerOverrides<NGSGD> {
   static constexpr bool accepts = LayerType::is_kronecker;
 
   template <class LayerType, class Scalar, class Exec>
-  using block_type = NGSGDLayer<LayerType, Scalar, Exec>;
+  using block_type = NGSGDBlock<LayerType, Scalar, Exec>;
 
   /// The settings for `layer`, defaults resolved (Kaldi's, clamped below the dimension).
   template <class LayerType>

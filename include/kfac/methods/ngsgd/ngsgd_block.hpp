@@ -50,8 +50,8 @@ struct NGSGDSettings {
 /// averaged_state() is empty, and there are no decomposable units.
 /// \tparam LayerType Dense or Conv2d (their observation rows, as for K-FAC).
 template <class LayerType, class Scalar, class Exec>
-class NGSGDLayer final : public impl::Block<Scalar, Exec> {
-  static_assert(LayerType::is_kronecker, "NGSGDLayer needs a Dense or Conv2d layer type");
+class NGSGDBlock final : public impl::Block<Scalar, Exec> {
+  static_assert(LayerType::is_kronecker, "NGSGDBlock needs a Dense or Conv2d layer type");
   using Fisher = impl::ngsgd::OnlineFisher<Scalar, Exec>;
   using RMatrix = typename Fisher::rows_type;
   using SMatrix = impl::Matrix<Scalar, Exec>;
@@ -64,8 +64,8 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   using typename base::tensor_type;
 
   /// Throws kfac::Error naming the layer when a setting is out of range.
-  NGSGDLayer(std::string name, const LayerType& layer, const NGSGDSettings& s)
-      : base(std::move(name)), layer_(layer), s_(s), na_(layer.a_dim()), ng_(layer.g_dim()) {
+  NGSGDBlock(std::string name, const LayerType& layer, const NGSGDSettings& s)
+      : base(std::move(name), describe(layer, s)), layer_(layer), s_(s), na_(layer.a_dim()), ng_(layer.g_dim()) {
     check(s_.rank_in >= 0 && s_.rank_in < na_, "rank_in = " + std::to_string(s_.rank_in) +
           ": expected 0 <= rank_in < " + std::to_string(na_) + " (the input dimension, with the bias column)");
     check(s_.rank_out >= 0 && s_.rank_out < ng_, "rank_out = " + std::to_string(s_.rank_out) +
@@ -89,13 +89,26 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
 
   const LayerType& layer() const { return layer_; }
   const NGSGDSettings& settings() const { return s_; }
-  const char* kind() const override { return LayerType::kind; }
-  std::string signature() const override {
-    return layer_.describe() + "/ngsgd[" + s_.describe() + "]/s" + std::to_string(sizeof(Scalar));
+
+  /// The description: no units (the estimates are updated in update_statistics); the
+  /// checkpoint holds R_in, (d_in, rho_in), R_out, (d_out, rho_out). Planned work:
+  /// preconditioning's GEMMs, 4 a g (r_in + r_out) + 2 r_in r_out (a + g) flops (the
+  /// estimates' updates, every update_period steps, are not modelled).
+  static impl::BlockDescription describe(const LayerType& layer, const NGSGDSettings& s) {
+    impl::BlockDescription d;
+    d.kind = LayerType::kind;
+    d.signature = layer.describe() + "/ngsgd[" + s.describe() + "]/s" + std::to_string(sizeof(Scalar));
+    d.rows = layer.weight_rows();
+    d.cols = layer.weight_cols();
+    d.bias = layer.bias();
+    d.checkpoint = Fisher(layer.a_dim(), index_t(s.rank_in)).shapes();
+    for (const auto& b : Fisher(layer.g_dim(), index_t(s.rank_out)).shapes()) d.checkpoint.push_back(b);
+    const double a = double(layer.a_dim()), g = double(layer.g_dim()), ri = double(s.rank_in), ro = double(s.rank_out);
+    d.plan.apply.gemm_flops = 4.0 * a * g * (ri + ro) + 2.0 * ri * ro * (a + g);
+    d.plan.apply.scalar = sizeof(Scalar);
+    d.plan.statistics_per_row.scalar = sizeof(Scalar);
+    return d;
   }
-  index_t weight_rows() const override { return layer_.weight_rows(); }
-  index_t weight_cols() const override { return layer_.weight_cols(); }
-  bool has_bias() const override { return layer_.bias(); }
 
   std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
   /// The k-th output gradient of a step pairs with the k-th input (as for K-FAC).
@@ -167,11 +180,6 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   std::vector<impl::Buffer> checkpoint_state() override {
     auto v = est_in_.buffers();
     for (const auto& b : est_out_.buffers()) v.push_back(b);
-    return v;
-  }
-  std::vector<impl::BufferShape> checkpoint_shapes() const override {
-    auto v = est_in_.shapes();
-    for (const auto& b : est_out_.shapes()) v.push_back(b);
     return v;
   }
   void allocate_state() override {
@@ -256,7 +264,7 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   /// (a + g)(r_in + r_out), the weights r_in + r_out), in Scalar, and the pending observation
   /// rows.
   MemoryReport memory() const override {
-    MemoryReport m{this->name(), kind(), 0, 0, 0};
+    MemoryReport m{this->name(), this->kind(), 0, 0, 0};
     m.factor_bytes = est_in_.bytes() + est_out_.bytes();
     m.decomposition_bytes = prev_in_.bytes() + prev_out_.bytes();
     m.workspace_bytes = (x_.span() + out_.span() + p_in_.span() + w_.span() + left_.span() + right_.span() +
@@ -265,18 +273,8 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
       for (const auto& r : p->rows) m.workspace_bytes += r.span() * sizeof(Scalar);
     return m;
   }
-  /// Preconditioning: the GEMMs of apply(), 4 a g (r_in + r_out) + 2 r_in r_out (a + g) flops
-  /// (the estimates' updates, every update_period steps, are not modelled).
-  BlockPlan plan() const override {
-    BlockPlan p;
-    const double a = double(na_), g = double(ng_), ri = double(s_.rank_in), ro = double(s_.rank_out);
-    p.apply.gemm_flops = 4.0 * a * g * (ri + ro) + 2.0 * ri * ro * (a + g);
-    p.apply.scalar = sizeof(Scalar);
-    p.statistics_per_row.scalar = sizeof(Scalar);
-    return p;
-  }
   MemoryReport planned_memory(bool, bool skipped, bool) const override {
-    MemoryReport m{this->name(), kind(), 0, 0, 0};
+    MemoryReport m{this->name(), this->kind(), 0, 0, 0};
     if (skipped) return m;
     const std::size_t a = std::size_t(na_), g = std::size_t(ng_), ri = std::size_t(s_.rank_in), ro = std::size_t(s_.rank_out);
     m.factor_bytes = m.decomposition_bytes = est_in_.planned_bytes() + est_out_.planned_bytes();
@@ -346,5 +344,9 @@ class NGSGDLayer final : public impl::Block<Scalar, Exec> {
   SMatrix x_, out_, p_in_, w_, left_, right_;
   SVector e_in_, e_out_;
 };
+
+/// The former name (blocks were called layers until 2026-12), kept for code written against it.
+template <class LayerType, class Scalar, class Exec>
+using NGSGDLayer = NGSGDBlock<LayerType, Scalar, Exec>;
 
 }  // namespace kfac

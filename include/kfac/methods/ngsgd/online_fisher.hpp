@@ -118,7 +118,7 @@ double squared_norm(const Exec& exec, const M& m) {
   return sum_of_squares(exec, m);
 }
 
-/// The two sides of the Woodbury update of NGSGDLayer::apply: left(:, k) = r_in(k, :)^T for
+/// The two sides of the Woodbury update of NGSGDBlock::apply: left(:, k) = r_in(k, :)^T for
 /// k < r_in (columns r_in.. hold Q' already), right = [diag(e_in) p; r_out].
 template <class Exec, class T>
 void stack_factors(const Exec& exec, const Matrix<T, Exec>& r_in, const Matrix<T, Exec>& p,

@@ -20,7 +20,7 @@ namespace kfac {
 /// (3 stored values). kfac::UnitWise preconditions with \f$(F_c + \gamma I)^{-1}\f$ (2x2, closed
 /// form); kfac::Diagonal with \f$\mathrm{diag}(F_c) + \gamma\f$.
 template <class FactorPolicy, class Prec, class Scalar, class Exec>
-class BatchNormLayer final : public impl::Block<Scalar, Exec> {
+class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   static_assert(std::is_same<FactorPolicy, UnitWise>::value ||
                     std::is_same<FactorPolicy, Diagonal>::value,
                 "BatchNorm2d takes the factor policy kfac::UnitWise or kfac::Diagonal");
@@ -37,18 +37,23 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  BatchNormLayer(std::string name, const BatchNorm2d& layer)
-      : base(std::move(name)), layer_(layer), c_(layer.channels()),
+  BatchNormBlock(std::string name, const BatchNorm2d& layer)
+      : base(std::move(name), describe(layer)), layer_(layer), c_(layer.channels()),
         sums_("kfac::bn::sums", c_, 3) {}
 
-  const char* kind() const override { return BatchNorm2d::kind; }
-  std::string signature() const override {
-    return layer_.describe() + "/" + FactorPolicy::name + "/f" + std::to_string(sizeof(F)) + "d" +
-           std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
+  /// The description: a (channels x 1) weight (gamma) with a bias (beta); no units (closed
+  /// forms); the checkpoint holds the 3 Fisher values per channel.
+  static impl::BlockDescription describe(const BatchNorm2d& layer) {
+    impl::BlockDescription d;
+    d.kind = BatchNorm2d::kind;
+    d.signature = layer.describe() + "/" + FactorPolicy::name + "/f" + std::to_string(sizeof(F)) + "d" +
+                  std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
+    d.rows = layer.channels();
+    d.cols = 1;
+    d.bias = true;
+    d.checkpoint = {{std::size_t(3 * layer.channels()), sizeof(F)}};
+    return d;
   }
-  index_t weight_rows() const override { return c_; }
-  index_t weight_cols() const override { return 1; }
-  bool has_bias() const override { return true; }
 
   std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
   std::string check_output_grad(const impl::Extents& e) const override {
@@ -117,9 +122,6 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
     Kokkos::deep_copy(sums_, 0.0);
   }
 
-  std::vector<impl::BufferShape> checkpoint_shapes() const override {
-    return {{std::size_t(3 * c_), sizeof(F)}};
-  }
   std::vector<impl::Buffer> checkpoint_state() override { return {impl::buffer_of(f_)}; }
   void allocate_state() override {
     allocate_factor_storage();
@@ -194,7 +196,7 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
         });
   }
   MemoryReport memory() const override {
-    MemoryReport r{this->name(), kind(), f_.size() * sizeof(F), 0,
+    MemoryReport r{this->name(), this->kind(), f_.size() * sizeof(F), 0,
                    (x_.size() + out_.size()) * sizeof(D)};
     r.workspace_bytes += sums_.size() * sizeof(double);
     for (const auto& v : inputs_) r.workspace_bytes += v.size() * sizeof(Scalar);
@@ -203,7 +205,7 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
 
   MemoryReport planned_memory(bool, bool skipped, bool) const override {
     const std::size_t c = std::size_t(c_);
-    MemoryReport r{this->name(), kind(), 0, 0, 3 * c * sizeof(double)};  // sums: at registration
+    MemoryReport r{this->name(), this->kind(), 0, 0, 3 * c * sizeof(double)};  // sums: at registration
     if (skipped) return r;
     r.factor_bytes = 3 * c * sizeof(F);
     r.workspace_bytes += 4 * c * sizeof(D);  // (dgamma, dbeta) in and out
@@ -234,5 +236,9 @@ class BatchNormLayer final : public impl::Block<Scalar, Exec> {
   Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space> x_, out_;
   bool has_factors_ = false;
 };
+
+/// The former name (blocks were called layers until 2026-12), kept for code written against it.
+template <class FactorPolicy, class Prec, class Scalar, class Exec>
+using BatchNormLayer = BatchNormBlock<FactorPolicy, Prec, Scalar, Exec>;
 
 }  // namespace kfac

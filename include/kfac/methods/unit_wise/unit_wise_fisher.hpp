@@ -25,7 +25,7 @@ struct UnitWiseFisher : impl::LayerOverrides<UnitWiseFisher<Approx, Prec>> {
   static constexpr bool accepts = std::is_same<LayerType, BatchNorm2d>::value;
 
   template <class LayerType, class Scalar, class Exec>
-  using block_type = BatchNormLayer<Approx, impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>;
+  using block_type = BatchNormBlock<Approx, impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>;
 
   template <class Scalar, class Exec, class LayerType>
   std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
