@@ -26,12 +26,14 @@ start=$(date +%s)
 "$root/scripts/install_deps.sh"
 source "$root/scripts/ccache.sh"
 
-# -O1 -g: full sanitizer coverage, readable stacks, and compiles faster than -O2. NDEBUG is left
+# -O1 -g1: full sanitizer coverage, and stacks with function, file and line (-g1 keeps the line
+# tables, not the variables' debug info: test_core.cpp compiled in 33 s instead of 45 s with -g,
+# 2026-12-04), and compiles faster than -O2. NDEBUG is left
 # undefined on purpose, so Eigen's and kfac's own assertions are live too. GCC 12 with
 # -fsanitize=address gives false -Wmaybe-uninitialized warnings inside libstdc++'s <regex>
 # (which Catch2 uses), so that one warning is off in this build only.
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_CXX_FLAGS="-Wno-maybe-uninitialized" \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DCMAKE_CXX_FLAGS="-Wno-maybe-uninitialized" \
   -DKFAC_ENABLE_SANITIZERS=ON -DKFAC_ENABLE_TESTS=ON \
   -DKFAC_ENABLE_EXAMPLES=OFF -DKFAC_ENABLE_BENCHMARKS=OFF -DKFAC_ENABLE_TORCH=OFF "${ccache_args[@]}" "$@"
 cmake --build "$build" -j "${KFAC_BUILD_JOBS:-$(nproc)}"
