@@ -1,7 +1,8 @@
 #pragma once
 // What the toy methods of the tests (toy_method.hpp, toy_shampoo.hpp) share for a Dense layer:
-// its identity and shape checks, and its gradient as a g x c double matrix on the host (the bias
-// as the last column when the layer has one).
+// its identity and shape checks, and its gradient workspace in double: X and V are c x g
+// column-major, which is the g x c row-major gradient (the bias as the last column when the
+// layer has one) that the toys compute with on the host.
 #include <Kokkos_Core.hpp>
 #include <string>
 
@@ -23,7 +24,9 @@ class DenseToyBlock : public kfac::impl::Block<Scalar, Exec> {
   /// `d`: the toy's description; the gradient's shape is filled in here.
   DenseToyBlock(std::string name, const kfac::Dense& layer, kfac::impl::BlockDescription d)
       : base(std::move(name), with_shape(std::move(d), layer)), layer_(layer), g_(int(layer.out())),
-        c_(int(layer.in()) + (layer.bias() ? 1 : 0)) {}
+        c_(int(layer.in()) + (layer.bias() ? 1 : 0)), workspace_(layer.out(), layer.in(), layer.bias()) {
+    this->use_gradient(workspace_);
+  }
 
   std::string check_input(const kfac::impl::Extents& e) const override { return layer_.check_input(e); }
   std::string check_output_grad(const kfac::impl::Extents& e) const override {
@@ -45,16 +48,11 @@ class DenseToyBlock : public kfac::impl::Block<Scalar, Exec> {
       if (layer_.bias()) to(i, c_ - 1) = double(b(i));
     }
   }
-  /// [w b] = nu from.
-  void store_gradient(const Mat& from, double nu, const grad_matrix& w, const grad_vector& b) const {
-    for (int i = 0; i < g_; ++i) {
-      for (int j = 0; j < int(layer_.in()); ++j) w(i, j) = Scalar(nu * from(i, j));
-      if (layer_.bias()) b(i) = Scalar(nu * from(i, c_ - 1));
-    }
-  }
 
   kfac::Dense layer_;
   int g_, c_;  ///< the gradient matrix's rows and columns
+  /// X (load_gradient) and V (the toy's apply writes it): g x c row-major, seen from the host.
+  kfac::impl::GradientWorkspace<double, Scalar, Exec> workspace_;
 };
 
 }  // namespace kfac_test

@@ -29,7 +29,6 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   using base = DenseToyBlock<Scalar, Exec>;
   using M = typename Exec::memory_space;
   using Vec = Kokkos::View<double*, M>;
-  using Mat = typename base::Mat;
 
  public:
   using typename base::grad_matrix;
@@ -53,28 +52,26 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
     ++inputs_;
   }
   void observe_output_grad(const Exec&, const tensor_type&, double) override {}
-  std::string observations_problem() const override {
-    return inputs_ == 0 ? "no observations were given" : std::string();
+  kfac::impl::ObservationCheck check_observations() const override {
+    return {inputs_ == 0 ? "no observations were given" : std::string()};
   }
-  bool observations_overflow() const override { return false; }
   void clear_observations() override { sumsq_ = count_ = 0; inputs_ = 0; }
 
   void update_statistics(const Exec&, double decay) override {
     allocate_state_buffers();
     const double m = sumsq_ / count_;
-    s_(0) = has_ ? decay * s_(0) + (1 - decay) * m : m;
+    s_(0) = this->has_statistics() ? decay * s_(0) + (1 - decay) * m : m;
     counter_(0) += double(inputs_);
-    has_ = true;
+    this->set_statistics(true);
   }
-  bool has_statistics() const override { return has_; }
   std::vector<kfac::impl::FactorBuffer> averaged_state() override {
     return {{kfac::impl::buffer_of(s_), 1, false, false}};
   }
   std::vector<kfac::impl::Buffer> checkpoint_state() override {
     return {kfac::impl::buffer_of(s_), kfac::impl::buffer_of(counter_)};
   }
-  void allocate_state() override { allocate_state_buffers(); has_ = true; }
-  void release_state() override { s_ = Vec(); counter_ = Vec(); has_ = false; }
+  void allocate_state() override { allocate_state_buffers(); this->set_statistics(true); }
+  void release_state() override { s_ = Vec(); counter_ = Vec(); this->set_statistics(false); }
 
   void allocate_units() override {
     if (inv_.extent(0) == 0) inv_ = Vec("toy::inv", 1);
@@ -94,34 +91,21 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   }
   std::vector<kfac::impl::Buffer> unit_buffers(int) override { return {kfac::impl::buffer_of(inv_)}; }
 
-  void load_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
-    if (x_.extent(0) == 0) { x_ = Mat("toy::x", this->g_, this->c_); out_ = Mat("toy::out", this->g_, this->c_); }
-    this->copy_gradient(w, b, x_);
-  }
   void apply(const Exec&, double) override {
-    for (std::size_t i = 0; i < x_.span(); ++i) out_.data()[i] = x_.data()[i] * inv_(0);
-  }
-  double inner_product(const Exec&) const override {
-    double s = 0;
-    for (std::size_t i = 0; i < x_.span(); ++i) s += out_.data()[i] * x_.data()[i];
-    return s;
-  }
-  kfac::impl::Buffer preconditioned() override { return kfac::impl::buffer_of(out_); }
-  void write_back(const Exec&, const grad_matrix& w, const grad_vector& b, double nu) override {
-    this->store_gradient(out_, nu, w, b);
+    const auto& ws = this->workspace_;
+    for (std::size_t i = 0; i < ws.x().span(); ++i) ws.v().data()[i] = ws.x().data()[i] * inv_(0);
   }
   kfac::MemoryReport memory() const override {
     return {this->name(), this->kind(), (s_.span() + counter_.span()) * 8, inv_.span() * 8,
-            (x_.span() + out_.span()) * 8};
+            this->workspace_.bytes()};
   }
   kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
-    const std::size_t x = std::size_t(this->g_) * std::size_t(this->c_);
     if (skipped) return {this->name(), this->kind(), 0, 0, 0};
-    return {this->name(), this->kind(), 16, holder ? 8u : 0u, 2 * x * 8};
+    return {this->name(), this->kind(), this->checkpoint_bytes(), holder ? 8u : 0u, this->workspace_.planned_bytes()};
   }
 
-  double statistic() const { return has_ ? s_(0) : -1; }
-  double counter() const { return has_ ? counter_(0) : -1; }
+  double statistic() const { return this->has_statistics() ? s_(0) : -1; }
+  double counter() const { return this->has_statistics() ? counter_(0) : -1; }
   double inverse() const { return inv_.extent(0) ? inv_(0) : -1; }
 
  private:
@@ -131,9 +115,7 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
 
   double sumsq_ = 0, count_ = 0;
   long inputs_ = 0;
-  bool has_ = false;
   Vec s_, counter_, inv_;
-  Mat x_, out_;
 };
 
 /// \brief The toy method object: V = X / (s + damping).

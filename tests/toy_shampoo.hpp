@@ -51,7 +51,7 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
       const double n = side;
       kfac::impl::UnitCost cost{n * n * n, n * n};
       cost.work.eigh_n3 = n * n * n;
-      d.units.push_back({cost, {{squared(side), 8}}});
+      d.units.push_back({cost, {{squared(side), 8}}, d.units.empty() ? "L" : "R"});
     }
     d.plan.apply.gemm_flops = 2.0 * g * c * double(g + c);
     return d;
@@ -73,24 +73,23 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
     const Map x = map(pending_);
     const Rows l = x * x.transpose(), r = x.transpose() * x;
     Map lm = map(l_), rm = map(r_);
-    if (has_) {
+    if (this->has_statistics()) {
       lm = decay * lm + (1 - decay) * l;
       rm = decay * rm + (1 - decay) * r;
     } else {
       lm = l;
       rm = r;
     }
-    has_ = true;
+    this->set_statistics(true);
   }
-  bool has_statistics() const override { return has_; }
   std::vector<kfac::impl::FactorBuffer> averaged_state() override {
     return {{kfac::impl::buffer_of(l_), g_, true, false}, {kfac::impl::buffer_of(r_), c_, true, false}};
   }
   std::vector<kfac::impl::Buffer> checkpoint_state() override {
     return {kfac::impl::buffer_of(l_), kfac::impl::buffer_of(r_)};
   }
-  void allocate_state() override { allocate_state_buffers(); has_ = true; }
-  void release_state() override { l_ = Mat(); r_ = Mat(); has_ = false; }
+  void allocate_state() override { allocate_state_buffers(); this->set_statistics(true); }
+  void release_state() override { l_ = Mat(); r_ = Mat(); this->set_statistics(false); }
 
   void allocate_units() override {
     if (pl_.extent(0) == 0) { pl_ = Mat("shampoo::l_root", g_, g_); pr_ = Mat("shampoo::r_root", c_, c_); }
@@ -109,24 +108,19 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
   }
   std::vector<kfac::impl::Buffer> unit_buffers(int u) override { return {kfac::impl::buffer_of(u == 0 ? pl_ : pr_)}; }
 
-  void load_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
-    if (x_.extent(0) == 0) { x_ = Mat("shampoo::x", g_, c_); out_ = Mat("shampoo::out", g_, c_); }
-    this->copy_gradient(w, b, x_);
-  }
-  void apply(const Exec&, double) override { map(out_) = map(pl_) * map(x_) * map(pr_); }
-  double inner_product(const Exec&) const override { return map(out_).cwiseProduct(map(x_)).sum(); }
-  kfac::impl::Buffer preconditioned() override { return kfac::impl::buffer_of(out_); }
-  void write_back(const Exec&, const grad_matrix& w, const grad_vector& b, double nu) override {
-    this->store_gradient(out_, nu, w, b);
+  /// V = (L root) X (R root), on the workspace's X and V seen as g x c row-major matrices.
+  void apply(const Exec&, double) override {
+    const auto& ws = this->workspace_;
+    Map(ws.v().data(), g_, c_) = map(pl_) * Map(ws.x().data(), g_, c_) * map(pr_);
   }
   kfac::MemoryReport memory() const override {
     return {this->name(), this->kind(), (l_.span() + r_.span()) * 8, (pl_.span() + pr_.span()) * 8,
-            (x_.span() + out_.span() + pending_.span()) * 8};
+            this->workspace_.bytes() + pending_.span() * 8};
   }
   /// After a step every rank holds L, R, X, V and the pending gradient; holders also the roots.
   kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
     if (skipped) return {this->name(), this->kind(), 0, 0, 0};
-    const std::size_t squares = (squared(g_) + squared(c_)) * 8;  // L and R, or their roots
+    const std::size_t squares = this->checkpoint_bytes();  // L and R, or their roots
     return {this->name(), this->kind(), squares, holder ? squares : 0, 3 * std::size_t(g_) * c_ * 8};
   }
 
@@ -141,8 +135,8 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
     if (l_.extent(0) == 0) { l_ = Mat("shampoo::l", g_, g_); r_ = Mat("shampoo::r", c_, c_); }
   }
 
-  bool has_ = false, pending_set_ = false;
-  Mat pending_, l_, r_, pl_, pr_, x_, out_;
+  bool pending_set_ = false;
+  Mat pending_, l_, r_, pl_, pr_;
 };
 
 /// \brief The toy Shampoo method object (Dense layers only).

@@ -1,13 +1,15 @@
 #pragma once
 /// \file block.hpp
-/// \brief The per-layer block interface every method implements, and the buffer views that
-/// distribution and checkpoints work on.
+/// \brief The per-layer block interface every method implements, and the description of a block
+/// that the core, the distribution, checkpoints and the cost model read.
 #include <cstddef>
-#include <functional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "kfac/core/buffer.hpp"
+#include "kfac/core/gradient_workspace.hpp"
+#include "kfac/error.hpp"
 #include "kfac/impl/blas.hpp"
 #include "kfac/impl/tensor.hpp"
 
@@ -23,41 +25,6 @@ struct MemoryReport {
   std::size_t total() const { return factor_bytes + decomposition_bytes + workspace_bytes; }
 };
 
-namespace impl {
-
-/// A contiguous buffer of a layer's state, for communication and checkpoints.
-struct Buffer {
-  void* data = nullptr;
-  std::size_t count = 0;       ///< number of scalars
-  std::size_t scalar_size = 0; ///< 4 (float) or 8 (double)
-  std::size_t bytes() const { return count * scalar_size; }
-};
-
-/// Shares unit `unit` of one layer (its buffers) from a background thread
-/// (Options::background_sharing); returns {bytes this rank sent, MPI calls}, which the calling
-/// thread counts later. Empty: the distribution shares nothing in the background.
-using BackgroundSharer = std::function<std::pair<std::size_t, std::size_t>(int unit, const std::vector<Buffer>&)>;
-
-/// A running factor as communicated: an n x n column-major matrix sent whole or as its packed
-/// upper triangle (n(n+1)/2 values), or a flat vector (diagonal, unit-wise: `n` values).
-struct FactorBuffer {
-  Buffer storage;
-  index_t n = 0;
-  bool matrix = false;  ///< n x n matrix (else a flat vector of n values)
-  bool packed = false;  ///< matrix travels as its upper triangle
-  const void* base = nullptr;  ///< the value before this step's update, to send the increment
-  /// The one rank that needs the average (reduce-to-owner; -1: every rank). Such a buffer
-  /// travels as it is, and its owner reads base + the average (base: decay x the old value).
-  int owner = -1;
-  std::size_t payload_count() const {
-    return matrix ? (packed ? std::size_t(n) * (n + 1) / 2 : std::size_t(n) * n) : std::size_t(n);
-  }
-};
-
-/// (value count, scalar size) of one state buffer, known before it is allocated.
-using BufferShape = std::pair<std::size_t, std::size_t>;
-
-}  // namespace impl
 
 /// \brief What a computation runs, in the kinds of work kfac::MachineFigures prices: a method
 /// states its own work (per decomposable unit, per preconditioning, per observation row) and
@@ -103,6 +70,17 @@ struct UnitCost {
 struct Unit {
   UnitCost cost;
   std::vector<BufferShape> shapes;
+  std::string name;  ///< how errors name it (K-FAC: "A", "G"); empty: "unit <index>"
+};
+
+/// What a block's pending observations allow (Block::check_observations): the default, a
+/// block that takes no observations, allows an update.
+struct ObservationCheck {
+  std::string problem;    ///< empty when they can form a statistics update, otherwise why not
+  bool overflow = false;  ///< they would overflow the statistics' type
+  /// The largest value their statistics can reach (K-FAC: the larger new factor's trace); a
+  /// reduced-precision payload is checked against it. 0: not known.
+  double scale = 0;
 };
 
 /// \brief What a block is, fixed when it is built: its method's constructor fills it, and the
@@ -140,7 +118,7 @@ struct BlockDescription {
 /// Contract (every method's block implements all of it; none needs stubs):
 /// - description: a value given to the constructor (BlockDescription): kind, signature,
 ///   gradient shape, checkpoint shapes, the decomposable units with their costs, the split of
-///   the apply and the planned work; the accessors below read it, no virtual call;
+///   the apply and the planned work; the accessors below read it directly;
 /// - observations: checks that return why an observation is refused (empty when valid), then
 ///   observe_*; pending observations become statistics only in update_statistics(), and stay
 ///   pending until clear_observations(), so a step that fails can be retried;
@@ -155,9 +133,13 @@ struct BlockDescription {
 /// - decomposable units (BlockDescription::units, K-FAC: A and G; closed forms: none): each is
 ///   computed on one rank by decompose(u), shared as unit_buffers(u), and
 ///   finish_decomposition() runs once all are in place;
-/// - preconditioning: load_gradient, apply, inner_product (for KL clipping), preconditioned()
-///   (the buffer shared with gradient receivers), write_back; optionally a divided apply
-///   (split_passes, apply_rows) whose rows the layer's holders compute in parts and gather.
+/// - statistics presence: the block calls set_statistics() when its statistics appear or go
+///   (update_statistics, allocate_state, release_state); has_statistics() reads it;
+/// - preconditioning: the block hands its GradientWorkspace to use_gradient() when built, and
+///   its apply reads X and writes V there; load_gradient, inner_product (for KL clipping),
+///   preconditioned() (the buffer shared with gradient receivers) and write_back are the
+///   workspace's, written once. Optionally a divided apply (split_passes, apply_rows) whose
+///   rows the layer's holders compute in parts and gather.
 /// Virtual calls happen on the host, once per layer and phase; the kernels inside are templates.
 template <class Scalar, class Exec>
 class Block {
@@ -181,6 +163,12 @@ class Block {
   index_t weight_cols() const { return description_.cols; }
   bool has_bias() const { return description_.bias; }
   const std::vector<BufferShape>& checkpoint_shapes() const { return description_.checkpoint; }
+  /// Bytes of checkpoint_state(), from its shapes: what a rank holds of the statistics.
+  std::size_t checkpoint_bytes() const {
+    std::size_t bytes = 0;
+    for (const auto& [count, size] : description_.checkpoint) bytes += count * size;
+    return bytes;
+  }
   /// Decomposable units (K-FAC: A and G; closed forms: none).
   int units() const { return int(description_.units.size()); }
   bool units_coupled() const { return description_.units_coupled; }
@@ -194,17 +182,15 @@ class Block {
   virtual std::string check_input(const Extents& e) const = 0;
   virtual std::string check_output_grad(const Extents& e) const = 0;
   // Observations. The defaults describe a method that takes none (its statistics come from the
-  // gradient, observe_gradient): it then overrides none of the four below.
+  // gradient, observe_gradient): it then overrides none of the three below.
   virtual void observe_input(const Exec&, const tensor_type&) {}
   virtual void observe_output_grad(const Exec&, const tensor_type&, double /*scale*/) {}
-  /// Empty when the pending observations can form a statistics update, otherwise why not.
-  virtual std::string observations_problem() const { return {}; }
-  /// True when the pending observations would overflow the statistics' type.
-  virtual bool observations_overflow() const { return false; }
-  /// The largest value the pending observations' statistics can reach (K-FAC: the larger new
-  /// factor's trace); a reduced-precision payload is checked against it. 0: not known.
-  virtual double observations_scale() const { return 0; }
+  /// Whether the pending observations can form a statistics update, and how large it can be.
+  virtual ObservationCheck check_observations() const { return {}; }
   virtual void clear_observations() = 0;
+  std::string observations_problem() const { return check_observations().problem; }
+  bool observations_overflow() const { return check_observations().overflow; }
+  double observations_scale() const { return check_observations().scale; }
   /// Statistics from the gradient: called on statistics-update steps, before
   /// update_statistics(), with the gradient set for this step; replaces (not adds to) what an
   /// earlier call of the same step took, so a failed step can be retried (see the contract).
@@ -212,7 +198,8 @@ class Block {
 
   /// Folds the pending observations into the running statistics (kept pending, see above).
   virtual void update_statistics(const Exec& exec, double decay) = 0;
-  virtual bool has_statistics() const = 0;
+  /// True once statistics exist (updated, or allocated to restore into), until released.
+  bool has_statistics() const { return statistics_present_; }
   virtual std::vector<FactorBuffer> averaged_state() = 0;
   virtual std::vector<Buffer> checkpoint_state() = 0;
   /// Allocates the checkpoint state (to restore into it) and marks the statistics present.
@@ -235,19 +222,22 @@ class Block {
   /// Called once every unit is in place (computed here or received).
   virtual void finish_decomposition(const Exec&, double, bool) {}
 
-  virtual void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) = 0;
-  /// V = preconditioned X, into the block's output buffer.
+  /// X = [w b]^T into the block's gradient workspace.
+  void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) { gradient().load(exec, w, b); }
+  /// V = preconditioned X, into the workspace's V.
   virtual void apply(const Exec& exec, double damping) = 0;
 
   // Split preconditioning (Options::split_preconditioning; BlockDescription::split_passes > 0).
   /// Pass `pass` of a divided apply, rows [r0, r1) (possibly empty) of its output.
   virtual void apply_rows(const Exec&, double, int, index_t, index_t) {}
   /// sum(V .* X), for KL clipping.
-  virtual double inner_product(const Exec& exec) const = 0;
-  virtual Buffer preconditioned() = 0;
+  double inner_product(const Exec& exec) const { return gradient().inner_product(exec); }
+  /// V as a flat buffer: what gradient receivers get.
+  Buffer preconditioned() { return gradient().output(); }
   /// Writes nu * V back into (w, b).
-  virtual void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
-                          double nu) = 0;
+  void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b, double nu) const {
+    gradient().store(exec, w, b, nu);
+  }
   virtual MemoryReport memory() const = 0;
   /// What memory() will report after a step (buffers kept between steps included), computed from the
   /// shapes without allocating: on a rank that holds the decompositions or not, for a skipped
@@ -257,9 +247,21 @@ class Block {
   /// Kept for readers of the first API (statistics were called factors).
   bool has_factors() const { return has_statistics(); }
 
+ protected:
+  /// The block's gradient workspace, a member of the block that outlives this base's use of it.
+  void use_gradient(GradientBuffers<Scalar, Exec>& workspace) { gradient_ = &workspace; }
+  void set_statistics(bool present) { statistics_present_ = present; }
+
  private:
+  GradientBuffers<Scalar, Exec>& gradient() const {
+    if (!gradient_) throw Error(name_, "the block was built without a gradient workspace (Block::use_gradient)");
+    return *gradient_;
+  }
+
   std::string name_;
   BlockDescription description_;
+  GradientBuffers<Scalar, Exec>* gradient_ = nullptr;
+  bool statistics_present_ = false;
 };
 
 /// Rows [first, second) of `rows` that part `part` of `parts` computes under split
@@ -267,136 +269,6 @@ class Block {
 inline std::pair<index_t, index_t> row_block(index_t rows, int part, int parts) {
   const auto at = [&](int k) { return index_t((long long)rows * k / parts); };
   return {at(part), at(part + 1)};
-}
-
-template <class V>
-Buffer buffer_of(const V& v) {
-  return Buffer{const_cast<void*>(static_cast<const void*>(v.data())), v.span(),
-                sizeof(typename V::non_const_value_type)};
-}
-
-/// Copies factor `f` to (`to_flat`) or from a flat buffer starting at `offset`, in its payload
-/// form: the packed upper triangle column by column (A(0,0), A(0,1), A(1,1), A(0,2), ...), the
-/// whole column-major matrix, or the flat vector. Values read from the flat buffer are scaled.
-/// `S` is the factor's storage type, `T` the flat buffer's arithmetic type (they differ for
-/// kfac::Half factors, which travel as float).
-///
-/// With a `base` (a buffer of f's shape: the value before this step's update), the increment
-/// travels instead: to_flat writes f - base, and reading sets f = base + scale * flat. Averaging
-/// increments in a reduced-precision payload rounds the increment, not the running average, so
-/// the average converges to the native one (rounding the average itself stalls it).
-template <class Exec, class T, class S = T, class Flat>
-void transfer_factor(const Exec& exec, const FactorBuffer& f, const Flat& flat, std::size_t offset,
-                     bool to_flat, T scale = T(1), const S* base = nullptr) {
-  S* data = static_cast<S*>(f.storage.data);
-  const std::size_t o = offset;
-  const bool inc = base != nullptr;
-  if (!f.matrix) {
-    Kokkos::parallel_for(
-        "kfac::comm::transfer_vector", Kokkos::RangePolicy<Exec>(exec, 0, f.n), KOKKOS_LAMBDA(int i) {
-          const T b = inc ? T(base[i]) : T(0);
-          if (to_flat) flat(o + i) = T(data[i]) - b; else data[i] = S(b + T(flat(o + i)) * scale);
-        });
-    return;
-  }
-  using M = Kokkos::View<S**, Kokkos::LayoutLeft, typename Exec::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-  M m(data, f.n, f.n);
-  M bm(const_cast<S*>(inc ? base : data), f.n, f.n);
-  const int n = f.n;
-  const bool packed = f.packed;
-  Kokkos::parallel_for(
-      "kfac::comm::transfer_matrix", Kokkos::RangePolicy<Exec>(exec, 0, n), KOKKOS_LAMBDA(int j) {
-        const std::size_t col = packed ? o + std::size_t(j) * (j + 1) / 2 : o + std::size_t(j) * n;
-        const int rows = packed ? j + 1 : n;
-        for (int i = 0; i < rows; ++i) {
-          const T b = inc ? T(bm(i, j)) : T(0);
-          if (to_flat) flat(col + i) = T(m(i, j)) - b; else m(i, j) = S(b + T(flat(col + i)) * scale);
-        }
-      });
-}
-
-/// Sum of squares of a matrix's entries, in double.
-template <class Exec, class M>
-double sum_of_squares(const Exec& exec, const M& m) {
-  // Eight-term blocks as the terms: a plain reduction is one dependent chain of additions on a
-  // serial backend and ran 5x slower than this (as long as the copy it checks); ordered_sum's
-  // fixed order makes the result the same on every host backend.
-  constexpr long w = 8;
-  const long size = long(m.span()), full = size / w;
-  const auto* p = m.data();
-  return ordered_sum(exec, "kfac::check::sum_of_squares", full + 1, KOKKOS_LAMBDA(long b) {
-    const long end = b < full ? (b + 1) * w : size;
-    double part = 0;
-    for (long i = b * w; i < end; ++i) part += double(p[i]) * double(p[i]);
-    return part;
-  });
-}
-
-/// \brief x = [w b]^T (and the same into `copy` when given): the caller's row-major (g x c)
-/// weight gradient and bias, as the column-major (c + 1 or c) x g matrix a block preconditions.
-/// Column i of x is row i of w followed by b(i), so on the host each row is one contiguous,
-/// vectorisable copy; device backends use a two-index range whose fastest index is contiguous
-/// on both sides.
-template <class Exec, class W, class B, class X>
-void load_transposed(const Exec& exec, const W& w, const B& b, const X& x, const X& copy = X()) {
-  using T = typename X::non_const_value_type;
-  const int rows = int(w.extent(0)), cols = int(w.extent(1)), total = int(x.extent(0));
-  const bool both = copy.extent(0) == x.extent(0) && copy.extent(1) == x.extent(1) && copy.data() != nullptr;
-  if constexpr (host_accessible_v<Exec>) {
-    Kokkos::parallel_for(
-        "kfac::gradient::load", Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
-          T* xi = &x(0, i);
-          const auto* wi = &w(i, 0);
-          for (int j = 0; j < cols; ++j) xi[j] = T(wi[j]);
-          if (total > cols) xi[cols] = T(b(i));
-          if (both) {
-            T* ci = &copy(0, i);
-            for (int j = 0; j < total; ++j) ci[j] = xi[j];
-          }
-        });
-  } else {
-    Kokkos::parallel_for(
-        "kfac::gradient::load", ColumnMajorRange<Exec>(exec, {0, 0}, {total, rows}), KOKKOS_LAMBDA(int j, int i) {
-          const T v = T(j < cols ? w(i, j) : b(i));
-          x(j, i) = v;
-          if (both) copy(j, i) = v;
-        });
-  }
-}
-
-/// \brief The inverse of load_transposed, scaled: w(i, j) = scale x(j, i), b(i) = scale x(c, i).
-template <class Exec, class X, class W, class B>
-void store_transposed(const Exec& exec, const X& x, double scale, const W& w, const B& b) {
-  using T = typename W::non_const_value_type;
-  using D = typename X::non_const_value_type;
-  const int rows = int(w.extent(0)), cols = int(w.extent(1)), total = int(x.extent(0));
-  const D s = D(scale);
-  if constexpr (host_accessible_v<Exec>) {
-    Kokkos::parallel_for(
-        "kfac::gradient::store", Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
-          const D* xi = &x(0, i);
-          T* wi = &w(i, 0);
-          for (int j = 0; j < cols; ++j) wi[j] = T(s * xi[j]);
-          if (total > cols) b(i) = T(s * xi[cols]);
-        });
-  } else {
-    Kokkos::parallel_for(
-        "kfac::gradient::store", ColumnMajorRange<Exec>(exec, {0, 0}, {total, rows}), KOKKOS_LAMBDA(int j, int i) {
-          const T v = T(s * x(j, i));
-          if (j < cols) w(i, j) = v; else b(i) = v;
-        });
-  }
-}
-
-/// Counts the non-finite entries of any view, on its execution space.
-template <class Exec, class V>
-long count_nonfinite(const Exec& exec, const V& v) {
-  long bad = 0;
-  const auto* p = v.data();
-  Kokkos::parallel_reduce(
-      "kfac::check::nonfinite", Kokkos::RangePolicy<Exec>(exec, 0, long(v.span())),
-      KOKKOS_LAMBDA(long i, long& s) { s += finite_(p[i]) ? 0 : 1; }, bad);
-  return bad;
 }
 
 }  // namespace impl

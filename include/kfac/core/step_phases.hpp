@@ -435,11 +435,16 @@ class StepPhases {
       } catch (const Error& err) {
         if (attempt >= o_.max_damping_retries)
           throw Error(b.name(), "decomposition of " +
-                                    (b.units() == 2 ? std::string(u == 0 ? "A" : "G") : "unit " + std::to_string(u)) +
+                                    unit_name(b, u) +
                                     " failed after " + std::to_string(attempt) + " damping increase(s): " + err.what());
         d *= o_.damping_retry_factor;
       }
     }
+  }
+
+  static std::string unit_name(const Block<Scalar, Exec>& b, int u) {
+    const std::string& name = b.description().units[std::size_t(u)].name;
+    return name.empty() ? "unit " + std::to_string(u) : name;
   }
 
   /// A copy of `b` that lives until the end of the step.

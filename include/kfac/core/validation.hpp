@@ -114,11 +114,12 @@ void validate_step(const Registry& reg, const DueList& due, const Options& o, co
         throw Error(n, "gradient contains " + std::to_string(bad) + " NaN/Inf value(s) at step " + std::to_string(step));
     }
     if (due[l].factor && !poisoned) {
-      const std::string why = e.block->observations_problem();
-      if (!why.empty()) throw Error(n, why + " before the factor update at step " + std::to_string(step));
-      if (!(e.block->observations_scale() <= payload_max))
+      const ObservationCheck pending = e.block->check_observations();
+      if (!pending.problem.empty())
+        throw Error(n, pending.problem + " before the factor update at step " + std::to_string(step));
+      if (!(pending.scale <= payload_max))
         throw Error(n, "observations would overflow the reduced-precision communication payload (statistic " +
-                           std::to_string(e.block->observations_scale()) + ", largest payload value " +
+                           std::to_string(pending.scale) + ", largest payload value " +
                            std::to_string(payload_max) + ") at step " + std::to_string(step));
     } else if (!due[l].factor && !e.block->has_statistics()) {
       throw Error(n, "has no factors yet: it must be observed on a factor-update step before it can be preconditioned");
@@ -143,8 +144,9 @@ bool nonfinite_step(const Registry& reg, const DueList& due, const Exec& exec, d
     const auto& e = reg[l];
     if (e.skipped) continue;
     if (e.has_gradient && (count_nonfinite(exec, e.w) > 0 || count_nonfinite(exec, e.b) > 0)) return true;
-    if (due[l].factor && (e.block->observations_overflow() || !(e.block->observations_scale() <= payload_max)))
-      return true;
+    if (!due[l].factor) continue;
+    const ObservationCheck pending = e.block->check_observations();
+    if (pending.overflow || !(pending.scale <= payload_max)) return true;
   }
   return false;
 }

@@ -70,10 +70,24 @@ inline void blas_square_gemm(bool trans, int n, const float* a, int lda, const f
 }
 #endif
 
+// Which vendor path serves an entry: one availability trait per vendor library, so that an entry
+// reads "vendor path if available, else the portable one" and a new backend adds a trait and its
+// calls, not conditions inside the entries.
+
+/// LAPACK and CBLAS serve host-accessible spaces (when kfac was built with them).
 template <class Exec, class Backend>
 constexpr bool use_lapack_v =
 #if defined(KFAC_HAVE_LAPACK)
     host_accessible_v<Exec> && std::is_same<Backend, AutoBackend>::value;
+#else
+    false;
+#endif
+
+/// cuSOLVER serves Kokkos::Cuda (when kfac was built with it).
+template <class Exec, class Backend>
+constexpr bool use_cusolver_v =
+#if defined(KFAC_HAVE_CUSOLVER)
+    std::is_same<Exec, Kokkos::Cuda>::value && std::is_same<Backend, AutoBackend>::value;
 #else
     false;
 #endif
@@ -286,7 +300,7 @@ void eigh(const Exec& exec, const F& f, const Matrix<T, Exec>& q, const Vector<T
 #endif
   symmetric_copy(exec, f, q);
 #if defined(KFAC_HAVE_CUSOLVER)
-  if constexpr (std::is_same<Exec, Kokkos::Cuda>::value && std::is_same<Backend, AutoBackend>::value) {
+  if constexpr (use_cusolver_v<Exec, Backend>) {
     cusolver_eigh(exec, q, w, ws);
     return;
   }
@@ -437,7 +451,7 @@ void spd_inverse(const Exec& exec, const F& f, T shift, const Matrix<T, Exec>& i
   }
 #endif
 #if defined(KFAC_HAVE_CUSOLVER)
-  if constexpr (std::is_same<Exec, Kokkos::Cuda>::value && std::is_same<Backend, AutoBackend>::value) {
+  if constexpr (use_cusolver_v<Exec, Backend>) {
     cusolver_spd_inverse_upper(exec, inv, ws);
     mirror_upper(exec, inv);
     return;

@@ -158,7 +158,9 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
 
   KroneckerBlock(std::string name, const LayerType& layer, InversePolicy inversion = InversePolicy{})
       : base(std::move(name), describe(layer, inversion)), layer_(layer), inversion_(std::move(inversion)),
-        na_(layer.a_dim()), ng_(layer.g_dim()) {}
+        na_(layer.a_dim()), ng_(layer.g_dim()), gradient_(layer.weight_rows(), layer.weight_cols(), layer.bias()) {
+    this->use_gradient(gradient_);
+  }
 
   /// The block's description: unit 0 is A, unit 1 is G (Diagonal: no units, a closed form).
   static impl::BlockDescription describe(const LayerType& layer, const InversePolicy& inversion) {
@@ -180,7 +182,7 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     d.checkpoint = {{diagonal ? a : a * a, sizeof(F)}, {diagonal ? g : g * g, sizeof(F)}};
     if constexpr (!diagonal) {
       for (index_t n : {na, ng}) {
-        impl::Unit u{inversion.cost(n), {}};
+        impl::Unit u{inversion.cost(n), {}, d.units.empty() ? "A" : "G"};
         u.cost.work.scalar = sizeof(D);
         for (std::size_t c : inversion.counts(n)) u.shapes.push_back({c, sizeof(D)});
         d.units.push_back(std::move(u));
@@ -268,26 +270,23 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     g_samples_ += e[0];
     g_extents_.push_back(e);
   }
-  double observations_scale() const override {
-    return std::max(a_norm_ > 0 ? a_trace_ / a_norm_ : 0.0, g_norm_ > 0 ? g_trace_ / g_norm_ : 0.0);
-  }
-  bool observations_overflow() const override {
-    if (a_norm_ == 0 || g_norm_ == 0) return false;
+  /// Scale: the larger new factor's trace. Overflow: either trace above the factor type's range.
+  impl::ObservationCheck check_observations() const override {
+    impl::ObservationCheck c;
+    c.scale = std::max(a_norm_ > 0 ? a_trace_ / a_norm_ : 0.0, g_norm_ > 0 ? g_trace_ / g_norm_ : 0.0);
     const double big = impl::largest_value<F>();
-    return !(a_trace_ / a_norm_ <= big) || !(g_trace_ / g_norm_ <= big);
-  }
-  std::string observations_problem() const override {
-    if (a_count_ == 0 && g_count_ == 0) return "no observations were given";
-    if (a_count_ == 0) return "no input was observed";
-    if (g_count_ == 0) return "no output gradient was observed";
-    if (a_samples_ != g_samples_)
-      return "observed " + std::to_string(a_samples_) + " input samples but " +
-             std::to_string(g_samples_) + " output-gradient samples";
-    if (observations_overflow())
-      return "observations would overflow the factor type (trace of the new A " +
-             std::to_string(a_trace_ / a_norm_) + ", G " + std::to_string(g_trace_ / g_norm_) +
-             "; largest value " + std::to_string(impl::largest_value<F>()) + ")";
-    return {};
+    c.overflow = a_norm_ != 0 && g_norm_ != 0 && (!(a_trace_ / a_norm_ <= big) || !(g_trace_ / g_norm_ <= big));
+    if (a_count_ == 0 && g_count_ == 0) c.problem = "no observations were given";
+    else if (a_count_ == 0) c.problem = "no input was observed";
+    else if (g_count_ == 0) c.problem = "no output gradient was observed";
+    else if (a_samples_ != g_samples_)
+      c.problem = "observed " + std::to_string(a_samples_) + " input samples but " +
+                  std::to_string(g_samples_) + " output-gradient samples";
+    else if (c.overflow)
+      c.problem = "observations would overflow the factor type (trace of the new A " +
+                  std::to_string(a_trace_ / a_norm_) + ", G " + std::to_string(g_trace_ / g_norm_) +
+                  "; largest value " + std::to_string(big) + ")";
+    return c;
   }
   /// The pending Gram matrices are kept (their values are dead until the next step's first
   /// observation overwrites them): allocating them again each step cost more than their syrk.
@@ -305,22 +304,21 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
   }
   void allocate_state() override {
     allocate_factor_storage();
-    has_factors_ = true;
+    this->set_statistics(true);
     pi_ = 0;
   }
   void release_state() override {
     a_ = FMatrix();
     g_ = FMatrix();
-    has_factors_ = false;
+    this->set_statistics(false);
   }
   void update_statistics(const Exec& exec, double decay) override {
     allocate_factor_storage();
     accumulate(exec, a_pending_, a_norm_, decay, a_);
     accumulate(exec, g_pending_, g_norm_, decay, g_);
-    has_factors_ = true;
+    this->set_statistics(true);
     pi_ = 0;
   }
-  bool has_statistics() const override { return has_factors_; }
 
   std::vector<impl::FactorBuffer> averaged_state() override {
     if constexpr (diagonal)
@@ -386,14 +384,10 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     }
   }
 
-  void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
-    ensure_workspace();
-    impl::load_transposed(exec, w, b, x_);
-  }
   void apply(const Exec& exec, double damping) override {
     if constexpr (diagonal) {
-      auto out = out_;
-      auto x = x_;
+      auto out = gradient_.v();
+      auto x = gradient_.x();
       auto a = a_;
       auto g = g_;
       const D d = D(damping);
@@ -403,34 +397,19 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
           KOKKOS_LAMBDA(int j, int i) { out(j, i) = x(j, i) / (D(g(i, 0)) * D(a(j, 0)) + d); });
     } else {
       ensure_work();
-      InversePolicy::apply(exec, *fg_, *fa_, x_, damping, reciprocal_, work_, out_);
+      InversePolicy::apply(exec, *fg_, *fa_, gradient_.x(), damping, reciprocal_, work_, gradient_.v());
     }
   }
-  /// Columns [r0, r1) of the transposed output out_ (a x g): rows r0..r1 of V.
+  /// Columns [r0, r1) of the transposed output V^T (a x g): rows r0..r1 of V.
   void apply_rows(const Exec& exec, double damping, int pass, index_t r0, index_t r1) override {
     if constexpr (impl::split_passes_of<InversePolicy>::value > 0 && !diagonal) {
       ensure_work();
-      InversePolicy::apply_rows(exec, *fg_, *fa_, x_, damping, reciprocal_, work_, out_, pass, r0, r1);
+      InversePolicy::apply_rows(exec, *fg_, *fa_, gradient_.x(), damping, reciprocal_, work_, gradient_.v(), pass, r0,
+                                r1);
     } else {
       (void)exec; (void)damping; (void)pass; (void)r0; (void)r1;
     }
   }
-  double inner_product(const Exec& exec) const override {
-    auto out = out_;
-    auto x = x_;
-    return impl::ordered_sum(exec, "kfac::layer::vg_sum", long(na_), long(ng_),
-                             KOKKOS_LAMBDA(long j, long i) { return double(out(j, i)) * double(x(j, i)); });
-  }
-  impl::Buffer preconditioned() override {
-    ensure_workspace();
-    return impl::buffer_of(out_);
-  }
-
-  void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
-                  double nu) override {
-    impl::store_transposed(exec, out_, nu, w, b);
-  }
-
   /// Bytes this process holds, with a = a_dim, g = g_dim: factor_bytes (a^2 + g^2)
   /// sizeof(Factor), (a + g) for Diagonal, 0 before the first factor update;
   /// decomposition_bytes the two factorizations in sizeof(Decomposition), i.e.
@@ -447,7 +426,7 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
     if (fa_) r.decomposition_bytes = fa_->bytes() + fg_->bytes();
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
-    r.workspace_bytes = (x_.size() + work_.size() + out_.size()) * sizeof(D);
+    r.workspace_bytes = gradient_.bytes() + work_.size() * sizeof(D);
     r.workspace_bytes += (a_pending_.size() + g_pending_.size()) * sizeof(C);
     return r;
   }
@@ -456,8 +435,8 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     MemoryReport r{this->name(), this->kind(), 0, 0, 0};
     if (skipped) return r;  // a skipped Kronecker layer never allocates
     const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
-    r.factor_bytes = (diagonal ? a + g : a * a + g * g) * sizeof(F);
-    r.workspace_bytes = (diagonal || !holder ? 2 : 3) * g * a * sizeof(D);  // x, out (+ work)
+    r.factor_bytes = this->checkpoint_bytes();  // A and G
+    r.workspace_bytes = gradient_.planned_bytes() + (diagonal || !holder ? 0 : g * a * sizeof(D));  // X, V (+ work)
     r.workspace_bytes += (diagonal ? a + g : a * a + g * g) * sizeof(C);    // pending Gram matrices
     if (!diagonal && holder) {
       for (const auto& unit : this->description().units)
@@ -497,17 +476,6 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
   void ensure_work() {
     if (work_.extent(0) == 0) work_ = DMatrix("kfac::layer::work", na_, ng_);
   }
-  // The gradient buffers x_, work_, out_ (and reciprocal_) hold transposes, (a_dim x g_dim)
-  // column-major: the memory order of the caller's row-major (g_dim x a_dim) gradient, so that
-  // loading and storing it are contiguous copies. Preconditioning X^T with the roles of A and G
-  // exchanged yields V^T, because every inversion policy computes f(G) X h(A) with f(G), h(A)
-  // symmetric.
-  void ensure_workspace() {
-    if (x_.extent(0) == 0) {
-      x_ = DMatrix("kfac::layer::x", na_, ng_);
-      out_ = DMatrix("kfac::layer::out", na_, ng_);
-    }
-  }
 
   /// π of Martens & Grosse (2015, §6.3) when the inversion policy uses π-damping, else 1.
   /// Both factors are on every rank that decomposes either (they are averaged everywhere).
@@ -523,9 +491,10 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
 
   /// f = decay f + (1 - decay) sum_k rows_k^T rows_k / norm (f = the new value on the first update).
   void accumulate(const Exec& exec, const PMatrix& pending, double norm, double decay, const FMatrix& f) {
-    const double new_weight = has_factors_ ? 1.0 - decay : 1.0;
+    const bool had = this->has_statistics();
+    const double new_weight = had ? 1.0 - decay : 1.0;
     impl::fold_factor<diagonal, std::is_same<FactorPolicy, Full>::value>(
-        exec, pending, C(new_weight / norm), C(has_factors_ ? decay : 0.0), f);
+        exec, pending, C(new_weight / norm), C(had ? decay : 0.0), f);
   }
 
   /// The observation itself as its m x n rows, when the layer type says it is (which: 0 input,
@@ -581,9 +550,14 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
   double pi_ = 0;  // pi of the factors being decomposed (prepare_decomposition); 0: not known
   long a_samples_ = 0, g_samples_ = 0;
   FMatrix a_, g_;
-  bool has_factors_ = false;
   std::unique_ptr<Fact> fa_, fg_;
-  DMatrix reciprocal_, x_, work_, out_;
+  // X^T and V^T (gradient_), the intermediate product work_ and reciprocal_ are (a_dim x g_dim)
+  // column-major: the memory order of the caller's row-major (g_dim x a_dim) gradient, so that
+  // loading and storing it are contiguous copies. Preconditioning X^T with the roles of A and G
+  // exchanged yields V^T, because every inversion policy computes f(G) X h(A) with f(G), h(A)
+  // symmetric.
+  impl::GradientWorkspace<D, Scalar, Exec> gradient_;
+  DMatrix reciprocal_, work_;
 };
 
 /// The former name (blocks were called layers until 2026-12), kept for code written against it.

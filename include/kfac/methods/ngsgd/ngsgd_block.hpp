@@ -65,7 +65,10 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
 
   /// Throws kfac::Error naming the layer when a setting is out of range.
   NGSGDBlock(std::string name, const LayerType& layer, const NGSGDSettings& s)
-      : base(std::move(name), describe(layer, s)), layer_(layer), s_(s), na_(layer.a_dim()), ng_(layer.g_dim()) {
+      : base(std::move(name), describe(layer, s)), layer_(layer), s_(s), na_(layer.a_dim()), ng_(layer.g_dim()),
+        gradient_(layer.weight_rows(), layer.weight_cols(), layer.bias()) {
+    gradient_.start_from_x();  // apply() updates V = X in place
+    this->use_gradient(gradient_);
     check(s_.rank_in >= 0 && s_.rank_in < na_, "rank_in = " + std::to_string(s_.rank_in) +
           ": expected 0 <= rank_in < " + std::to_string(na_) + " (the input dimension, with the bias column)");
     check(s_.rank_out >= 0 && s_.rank_out < ng_, "rank_out = " + std::to_string(s_.rank_out) +
@@ -134,32 +137,36 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     layer_.fill_g_rows(exec, g, scale, rows);
     obs_out_.add(exec, rows, layer_.g_normalizer(e), e[0]);
   }
-  bool observations_overflow() const override {
+  /// Overflow: either side's mean squared row above the scalar type's range.
+  impl::ObservationCheck check_observations() const override {
+    impl::ObservationCheck c;
     const double big = double(std::numeric_limits<Scalar>::max());
-    return obs_in_.norm > 0 && obs_out_.norm > 0 &&
-           (!(obs_in_.squares / obs_in_.norm <= big) || !(obs_out_.squares / obs_out_.norm <= big));
+    c.overflow = obs_in_.norm > 0 && obs_out_.norm > 0 &&
+                 (!(obs_in_.squares / obs_in_.norm <= big) || !(obs_out_.squares / obs_out_.norm <= big));
+    if (obs_in_.rows.empty() && obs_out_.rows.empty()) c.problem = "no observations were given";
+    else if (obs_in_.rows.empty()) c.problem = "no input was observed";
+    else if (obs_out_.rows.empty()) c.problem = "no output gradient was observed";
+    else if (obs_in_.samples != obs_out_.samples)
+      c.problem = "observed " + std::to_string(long(obs_in_.samples)) + " input samples but " +
+                  std::to_string(long(obs_out_.samples)) + " output-gradient samples";
+    else if (c.overflow) c.problem = "observations would overflow the scalar type";
+    return c;
   }
-  std::string observations_problem() const override {
-    if (obs_in_.rows.empty() && obs_out_.rows.empty()) return "no observations were given";
-    if (obs_in_.rows.empty()) return "no input was observed";
-    if (obs_out_.rows.empty()) return "no output gradient was observed";
-    if (obs_in_.samples != obs_out_.samples)
-      return "observed " + std::to_string(long(obs_in_.samples)) + " input samples but " +
-             std::to_string(long(obs_out_.samples)) + " output-gradient samples";
-    if (observations_overflow()) return "observations would overflow the scalar type";
-    return {};
-  }
+  /// The step is over (observations are cleared once it succeeded, or when it is skipped): the
+  /// next one preconditions with the newest estimates.
   void clear_observations() override {
     obs_in_ = Pending{};
     obs_out_ = Pending{};
     in_extents_.clear();
+    frozen_ = false;
   }
 
   /// One step of the recurrence per side (Kaldi's initialisation on the first); `decay` is
   /// not used: the weight of the new minibatch is eta, from num_samples_history.
   void update_statistics(const Exec& exec, double) override {
     const auto& r = s_.recurrence;
-    if (!has_state_) {
+    ensure_work();
+    if (!this->has_statistics()) {
       est_in_.init_default(exec, r.epsilon, s_.symmetry_breaker);
       est_out_.init_default(exec, r.epsilon, s_.symmetry_breaker);
       for (long i = init_iterations(obs_in_, s_.rank_in); i > 0; --i) step(exec, est_in_, obs_in_);
@@ -170,10 +177,9 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     frozen_ = true;
     step(exec, est_in_, obs_in_);
     step(exec, est_out_, obs_out_);
-    has_state_ = true;
+    this->set_statistics(true);
     ++updates_;
   }
-  bool has_statistics() const override { return has_state_; }
   /// Empty: averaging orthonormal bases across ranks is meaningless.
   std::vector<impl::FactorBuffer> averaged_state() override { return {}; }
   /// R_in, (d_in, rho_in), R_out, (d_out, rho_out).
@@ -185,7 +191,8 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
   void allocate_state() override {
     est_in_.allocate();
     est_out_.allocate();
-    has_state_ = true;
+    ensure_work();
+    this->set_statistics(true);
     frozen_ = false;
   }
   void release_state() override {
@@ -193,16 +200,12 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     est_out_.release();
     prev_in_.release();
     prev_out_.release();
-    has_state_ = frozen_ = false;
+    this->set_statistics(false);
+    frozen_ = false;
   }
 
-  /// X^T into x_ and into out_, where apply() updates it in place.
-  void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
-    ensure_workspace();
-    impl::load_transposed(exec, w, b, x_, out_);
-  }
-  /// V = gamma F_out^-1 X F_in^-1 on the transposed buffers (x_ = X^T = V_0, out_ = V_0 on
-  /// entry, from load_gradient); `damping` is not used (alpha's smoothing plays its part).
+  /// V = gamma F_out^-1 X F_in^-1 on the transposed buffers (X^T = V_0 in the gradient
+  /// workspace, whose V starts as V_0); `damping` is not used (alpha's smoothing plays its part).
   ///
   /// With F^-1 = beta^-1 (I - R^T E R) per side (the betas cancel in gamma), and P = R_in V_0,
   /// Q = V_0 R_out^T:
@@ -211,7 +214,9 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
   /// so both sides cost two projections of V_0 and one rank-(r_in + r_out) update, instead of a
   /// rank-r_in and a rank-r_out update that each read and write all of V.
   void apply(const Exec& exec, double) override {
-    if (!has_state_ || (s_.rank_in == 0 && s_.rank_out == 0)) return;  // the identity, exactly
+    if (!this->has_statistics() || (s_.rank_in == 0 && s_.rank_out == 0)) return;  // the identity, exactly
+    const SMatrix& x = gradient_.x();
+    const SMatrix& out = gradient_.v();
     const Fisher& fin = frozen_ ? prev_in_ : est_in_;
     const Fisher& fout = frozen_ ? prev_out_ : est_out_;
     const double alpha = s_.recurrence.alpha;
@@ -220,11 +225,11 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     const auto q = Kokkos::subview(left_, all, Kokkos::make_pair(ri, ri + ro));
     if (ri > 0) {
       impl::ngsgd::woodbury_weights(exec, fin.values(), alpha, na_, e_in_);
-      impl::gemm(exec, "N", "N", Scalar(1), fin.basis(), x_, Scalar(0), p_in_);  // P
+      impl::gemm(exec, "N", "N", Scalar(1), fin.basis(), x, Scalar(0), p_in_);  // P
     }
     if (ro > 0) {
       impl::ngsgd::woodbury_weights(exec, fout.values(), alpha, ng_, e_out_);
-      impl::gemm(exec, "N", "T", Scalar(1), x_, fout.basis(), Scalar(0), q);  // Q
+      impl::gemm(exec, "N", "T", Scalar(1), x, fout.basis(), Scalar(0), q);  // Q
       impl::ngsgd::scale_by(exec, q, e_out_, false);                            // Q E_out
     }
     if (ri > 0 && ro > 0) {  // Q E_out - R_in^T (E_in P R_out^T E_out)
@@ -234,30 +239,15 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
       impl::gemm(exec, "T", "N", Scalar(-1), fin.basis(), w_, Scalar(1), q);
     }
     impl::ngsgd::stack_factors(exec, fin.basis(), p_in_, e_in_, fout.basis(), left_, right_);
-    impl::gemm(exec, "N", "N", Scalar(-1), left_, right_, Scalar(1), out_);
-    const double before = impl::ngsgd::squared_norm(exec, x_), after = impl::ngsgd::squared_norm(exec, out_);
+    impl::gemm(exec, "N", "N", Scalar(-1), left_, right_, Scalar(1), out);
+    const double before = impl::ngsgd::squared_norm(exec, x), after = impl::ngsgd::squared_norm(exec, out);
     last_gamma_ = after > 0 ? std::sqrt(before / after) : 1.0;
-    auto v = out_;
+    auto v = out;
     const Scalar g = Scalar(last_gamma_);
     Kokkos::parallel_for(
         "kfac::ngsgd::scale_gradient", Kokkos::RangePolicy<Exec>(exec, 0, long(v.span())),
         KOKKOS_LAMBDA(long i) { v.data()[i] *= g; });
   }
-  double inner_product(const Exec& exec) const override {
-    auto out = out_;
-    auto x = x_;
-    return impl::ordered_sum(exec, "kfac::ngsgd::vg_sum", long(na_), long(ng_),
-                             KOKKOS_LAMBDA(long j, long i) { return double(out(j, i)) * double(x(j, i)); });
-  }
-  impl::Buffer preconditioned() override {
-    ensure_workspace();
-    return impl::buffer_of(out_);
-  }
-  void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b, double nu) override {
-    impl::store_transposed(exec, out_, nu, w, b);
-    frozen_ = false;  // the step is over: the next one preconditions with the newest estimates
-  }
-
   /// factor_bytes: the two estimates (R in Scalar, d and rho in double); decomposition_bytes:
   /// their copies from before the last update (used on update steps); workspace_bytes: X^T and
   /// V^T (2 a g), the Woodbury products (P: r_in g, W: r_in r_out, the stacked factors
@@ -267,8 +257,8 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     MemoryReport m{this->name(), this->kind(), 0, 0, 0};
     m.factor_bytes = est_in_.bytes() + est_out_.bytes();
     m.decomposition_bytes = prev_in_.bytes() + prev_out_.bytes();
-    m.workspace_bytes = (x_.span() + out_.span() + p_in_.span() + w_.span() + left_.span() + right_.span() +
-                         e_in_.span() + e_out_.span()) * sizeof(Scalar);
+    m.workspace_bytes = gradient_.bytes() + (p_in_.span() + w_.span() + left_.span() + right_.span() +
+                                             e_in_.span() + e_out_.span()) * sizeof(Scalar);
     for (const auto* p : {&obs_in_, &obs_out_})
       for (const auto& r : p->rows) m.workspace_bytes += r.span() * sizeof(Scalar);
     return m;
@@ -277,8 +267,8 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     MemoryReport m{this->name(), this->kind(), 0, 0, 0};
     if (skipped) return m;
     const std::size_t a = std::size_t(na_), g = std::size_t(ng_), ri = std::size_t(s_.rank_in), ro = std::size_t(s_.rank_out);
-    m.factor_bytes = m.decomposition_bytes = est_in_.planned_bytes() + est_out_.planned_bytes();
-    m.workspace_bytes = (2 * a * g + ri * g + ri * ro + (a + g) * (ri + ro) + ri + ro) * sizeof(Scalar);
+    m.factor_bytes = m.decomposition_bytes = this->checkpoint_bytes();  // the estimates, and their copies
+    m.workspace_bytes = gradient_.planned_bytes() + (ri * g + ri * ro + (a + g) * (ri + ro) + ri + ro) * sizeof(Scalar);
     return m;
   }
 
@@ -317,12 +307,10 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     if (s_.init_iterations > 0) return s_.init_iterations;
     return p.row_count <= rank ? 1 : 3;
   }
-  // x_ and out_ hold transposes, (a x g) column-major: the memory order of the caller's
-  // row-major (g x a) gradient, so loading and storing are contiguous copies.
-  void ensure_workspace() {
-    if (x_.extent(0) != 0) return;
-    x_ = SMatrix("kfac::ngsgd::x", na_, ng_);
-    out_ = SMatrix("kfac::ngsgd::out", na_, ng_);
+  /// The Woodbury products' buffers, allocated with the statistics (every rank that has them
+  /// may precondition) and kept.
+  void ensure_work() {
+    if (e_in_.extent(0) != 0 || left_.extent(0) != 0) return;
     p_in_ = SMatrix("kfac::ngsgd::p_in", s_.rank_in, ng_);
     w_ = SMatrix("kfac::ngsgd::w", s_.rank_in, s_.rank_out);
     left_ = SMatrix("kfac::ngsgd::left", na_, s_.rank_in + s_.rank_out);
@@ -338,10 +326,13 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
   std::vector<impl::Extents> in_extents_;
   Pending obs_in_, obs_out_;
   Fisher est_in_, est_out_, prev_in_, prev_out_;
-  bool has_state_ = false, frozen_ = false;
+  bool frozen_ = false;
   long updates_ = 0;
   double last_gamma_ = 1.0;
-  SMatrix x_, out_, p_in_, w_, left_, right_;
+  // X^T and V^T, (a x g) column-major: the memory order of the caller's row-major (g x a)
+  // gradient, so loading and storing are contiguous copies.
+  impl::GradientWorkspace<Scalar, Scalar, Exec> gradient_;
+  SMatrix p_in_, w_, left_, right_;
   SVector e_in_, e_out_;
 };
 

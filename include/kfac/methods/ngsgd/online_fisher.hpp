@@ -259,11 +259,6 @@ class OnlineFisher {
     return {{std::size_t(rank_) * dim_, sizeof(T)}, {std::size_t(rank_) + 1, sizeof(double)}};
   }
   std::size_t bytes() const { return r_.span() * sizeof(T) + dr_.span() * sizeof(double); }
-  std::size_t planned_bytes() const {
-    std::size_t b = 0;
-    for (const auto& s : shapes()) b += s.first * s.second;
-    return b;
-  }
 
   /// Kaldi's starting point: the special orthonormal basis (`first` its symmetry breaker, see
   /// special_orthonormal), d = rho = epsilon.

@@ -39,7 +39,10 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
 
   BatchNormBlock(std::string name, const BatchNorm2d& layer)
       : base(std::move(name), describe(layer)), layer_(layer), c_(layer.channels()),
-        sums_("kfac::bn::sums", c_, 3) {}
+        sums_("kfac::bn::sums", c_, 3), gradient_(c_, 1, true) {
+    gradient_.terms_per_column();  // <V, X> sums one 2-vector per channel
+    this->use_gradient(gradient_);
+  }
 
   /// The description: a (channels x 1) weight (gamma) with a bias (beta); no units (closed
   /// forms); the checkpoint holds the 3 Fisher values per channel.
@@ -98,22 +101,22 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
     ++grads_;
     samples_ += n;
   }
-  bool observations_overflow() const override {
-    if (samples_ == 0) return false;
-    auto h = Kokkos::create_mirror_view(sums_);
-    Kokkos::deep_copy(h, sums_);
-    const double big = double(std::numeric_limits<F>::max());
-    for (int c = 0; c < c_; ++c)
-      if (!(h(c, 0) / double(samples_) <= big) || !(h(c, 2) / double(samples_) <= big)) return true;
-    return false;
-  }
-  std::string observations_problem() const override {
-    if (inputs_.empty()) return "no observations were given";
-    if (grads_ != inputs_.size())
-      return "observed " + std::to_string(inputs_.size()) + " inputs but " +
-             std::to_string(grads_) + " output gradients";
-    if (observations_overflow()) return "observations would overflow the factor type";
-    return {};
+  /// Overflow: a channel's new (gamma, gamma) or (beta, beta) value above the factor type's range.
+  impl::ObservationCheck check_observations() const override {
+    impl::ObservationCheck check;
+    if (samples_ > 0) {
+      auto h = Kokkos::create_mirror_view(sums_);
+      Kokkos::deep_copy(h, sums_);
+      const double big = double(std::numeric_limits<F>::max());
+      for (int c = 0; c < c_ && !check.overflow; ++c)
+        check.overflow = !(h(c, 0) / double(samples_) <= big) || !(h(c, 2) / double(samples_) <= big);
+    }
+    if (inputs_.empty()) check.problem = "no observations were given";
+    else if (grads_ != inputs_.size())
+      check.problem = "observed " + std::to_string(inputs_.size()) + " inputs but " + std::to_string(grads_) +
+                      " output gradients";
+    else if (check.overflow) check.problem = "observations would overflow the factor type";
+    return check;
   }
   void clear_observations() override {
     inputs_.clear();
@@ -125,79 +128,49 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   std::vector<impl::Buffer> checkpoint_state() override { return {impl::buffer_of(f_)}; }
   void allocate_state() override {
     allocate_factor_storage();
-    has_factors_ = true;
+    this->set_statistics(true);
   }
   void release_state() override {
     f_ = decltype(f_)();
-    has_factors_ = false;
+    this->set_statistics(false);
   }
   void update_statistics(const Exec& exec, double decay) override {
     allocate_factor_storage();
-    const double old_w = has_factors_ ? decay : 0.0, new_w = (has_factors_ ? 1.0 - decay : 1.0) / double(samples_);
+    const bool had = this->has_statistics();
+    const double old_w = had ? decay : 0.0, new_w = (had ? 1.0 - decay : 1.0) / double(samples_);
     auto f = f_;
     auto sums = sums_;
     Kokkos::parallel_for(
         "kfac::bn::update", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>(exec, {0, 0}, {c_, 3}),
         KOKKOS_LAMBDA(int c, int k) { f(c, k) = F(old_w * double(f(c, k)) + new_w * sums(c, k)); });
-    has_factors_ = true;
+    this->set_statistics(true);
   }
-  bool has_statistics() const override { return has_factors_; }
   std::vector<impl::FactorBuffer> averaged_state() override {
     return {{impl::buffer_of(f_), index_t(3 * c_), false, false}};
   }
 
-  void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) override {
-    ensure_workspace();
-    auto x = x_;
-    Kokkos::parallel_for(
-        "kfac::bn::load_gradient", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
-          x(c, 0) = D(w(c, 0));
-          x(c, 1) = D(b(c));
-        });
-  }
+  /// Per channel c, column c of X and V is (dgamma, dbeta).
   void apply(const Exec& exec, double damping) override {
     auto f = f_;
-    auto x = x_;
-    auto out = out_;
+    auto x = gradient_.x();
+    auto out = gradient_.v();
     const D d = D(damping);
     Kokkos::parallel_for(
         "kfac::bn::solve", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
-          const D xg = x(c, 0), xb = x(c, 1);
+          const D xg = x(0, c), xb = x(1, c);
           const D a = D(f(c, 0)) + d, off = D(f(c, 1)), e = D(f(c, 2)) + d;
           if (std::is_same<FactorPolicy, UnitWise>::value) {
             const D det = a * e - off * off;
-            out(c, 0) = (e * xg - off * xb) / det;
-            out(c, 1) = (a * xb - off * xg) / det;
+            out(0, c) = (e * xg - off * xb) / det;
+            out(1, c) = (a * xb - off * xg) / det;
           } else {
-            out(c, 0) = xg / a;
-            out(c, 1) = xb / e;
+            out(0, c) = xg / a;
+            out(1, c) = xb / e;
           }
         });
   }
-  double inner_product(const Exec& exec) const override {
-    auto x = x_;
-    auto out = out_;
-    return impl::ordered_sum(exec, "kfac::bn::vg_sum", long(c_), KOKKOS_LAMBDA(long c) {
-      return double(out(c, 0)) * double(x(c, 0)) + double(out(c, 1)) * double(x(c, 1));
-    });
-  }
-  impl::Buffer preconditioned() override {
-    ensure_workspace();
-    return impl::buffer_of(out_);
-  }
-  void write_back(const Exec& exec, const grad_matrix& w, const grad_vector& b,
-                  double nu) override {
-    auto out = out_;
-    const D scale = D(nu);
-    Kokkos::parallel_for(
-        "kfac::bn::store", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
-          w(c, 0) = Scalar(scale * out(c, 0));
-          b(c) = Scalar(scale * out(c, 1));
-        });
-  }
   MemoryReport memory() const override {
-    MemoryReport r{this->name(), this->kind(), f_.size() * sizeof(F), 0,
-                   (x_.size() + out_.size()) * sizeof(D)};
+    MemoryReport r{this->name(), this->kind(), f_.size() * sizeof(F), 0, gradient_.bytes()};
     r.workspace_bytes += sums_.size() * sizeof(double);
     for (const auto& v : inputs_) r.workspace_bytes += v.size() * sizeof(Scalar);
     return r;
@@ -207,8 +180,8 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
     const std::size_t c = std::size_t(c_);
     MemoryReport r{this->name(), this->kind(), 0, 0, 3 * c * sizeof(double)};  // sums: at registration
     if (skipped) return r;
-    r.factor_bytes = 3 * c * sizeof(F);
-    r.workspace_bytes += 4 * c * sizeof(D);  // (dgamma, dbeta) in and out
+    r.factor_bytes = this->checkpoint_bytes();  // the 3 Fisher values per channel
+    r.workspace_bytes += gradient_.planned_bytes();  // (dgamma, dbeta) in and out
     return r;
   }
 
@@ -219,12 +192,6 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   void allocate_factor_storage() {
     if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
   }
-  void ensure_workspace() {
-    if (out_.extent(0) == 0) {
-      x_ = Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::x", c_, 2);
-      out_ = Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::out", c_, 2);
-    }
-  }
 
   BatchNorm2d layer_;
   int c_;
@@ -233,8 +200,7 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   long samples_ = 0;
   Kokkos::View<double**, Kokkos::LayoutLeft, typename Exec::memory_space> sums_;
   Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space> f_;
-  Kokkos::View<D**, Kokkos::LayoutLeft, typename Exec::memory_space> x_, out_;
-  bool has_factors_ = false;
+  impl::GradientWorkspace<D, Scalar, Exec> gradient_;
 };
 
 /// The former name (blocks were called layers until 2026-12), kept for code written against it.
