@@ -152,13 +152,10 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     else if (c.overflow) c.problem = "observations would overflow the scalar type";
     return c;
   }
-  /// The step is over (observations are cleared once it succeeded, or when it is skipped): the
-  /// next one preconditions with the newest estimates.
   void clear_observations() override {
     obs_in_ = Pending{};
     obs_out_ = Pending{};
     in_extents_.clear();
-    frozen_ = false;
   }
 
   /// One step of the recurrence per side (Kaldi's initialisation on the first); `decay` is
@@ -247,6 +244,7 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     Kokkos::parallel_for(
         "kfac::ngsgd::scale_gradient", Kokkos::RangePolicy<Exec>(exec, 0, long(v.span())),
         KOKKOS_LAMBDA(long i) { v.data()[i] *= g; });
+    frozen_ = false;  // this step's preconditioning is done: the next one uses the newest estimates
   }
   /// factor_bytes: the two estimates (R in Scalar, d and rho in double); decomposition_bytes:
   /// their copies from before the last update (used on update steps); workspace_bytes: X^T and
