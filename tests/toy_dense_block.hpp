@@ -26,11 +26,7 @@ class DenseToyBlock : public kfac::impl::Block<Scalar, Exec> {
       : base(std::move(name), with_shape(std::move(d), layer)), layer_(layer), g_(int(layer.out())),
         c_(int(layer.in()) + (layer.bias() ? 1 : 0)), workspace_(layer.out(), layer.in(), layer.bias()) {
     this->use_gradient(workspace_);
-  }
-
-  std::string check_input(const kfac::impl::Extents& e) const override { return layer_.check_input(e); }
-  std::string check_output_grad(const kfac::impl::Extents& e) const override {
-    return layer_.check_output_grad(e, e);
+    this->use_observations(kfac::impl::ObservationPairs(layer));
   }
 
   static kfac::impl::BlockDescription with_shape(kfac::impl::BlockDescription d, const kfac::Dense& layer) {

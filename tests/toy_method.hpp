@@ -35,7 +35,40 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  ScaledIdentityBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer, describe(layer)) {}
+  ScaledIdentityBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer, describe(layer)) {
+    this->use_units({&inverse_});
+  }
+
+  /// The one unit: 1 / (s + damping).
+  class Inverse final : public kfac::impl::UnitState<Exec> {
+   public:
+    explicit Inverse(const ScaledIdentityBlock& block) : block_(block) {}
+    void allocate() override {
+      if (inv_.extent(0) == 0) inv_ = Vec("toy::inv", 1);
+    }
+    void release() override { inv_ = Vec(); }
+    void decompose(const Exec&, double damping, int) override {
+      allocate();
+      ++toy_decompose_calls;
+      // A failing call leaves its buffer scribbled on: the rollback must undo that.
+      switch (toy_fail) {
+        case ToyFailure::error: inv_(0) = -1; throw kfac::Error(block_.name(), "toy decomposition refused");
+        case ToyFailure::bad_alloc: inv_(0) = -1; throw std::bad_alloc();
+        case ToyFailure::nan: inv_(0) = std::numeric_limits<double>::quiet_NaN(); return;
+        case ToyFailure::none: break;
+      }
+      inv_(0) = 1.0 / (block_.s_(0) + damping);
+    }
+    std::vector<kfac::impl::Buffer> buffers() override {
+      allocate();
+      return {kfac::impl::buffer_of(inv_)};
+    }
+    const Vec& value() const { return inv_; }
+
+   private:
+    const ScaledIdentityBlock& block_;
+    Vec inv_;
+  };
 
   /// One unit (the scalar 1 / (s + damping)); the checkpoint holds s and the input counter.
   static kfac::impl::BlockDescription describe(const kfac::Dense& layer) {
@@ -46,22 +79,20 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
     d.units = {{{1.0, 1.0}, {{1, 8}}}};
     return d;
   }
-  void observe_input(const Exec&, const tensor_type& x) override {
+  void add_input(const Exec&, const tensor_type& x) override {
     for (std::size_t i = 0; i < x.span(); ++i) sumsq_ += double(x.data()[i]) * double(x.data()[i]);
     count_ += double(x.span());
-    ++inputs_;
   }
-  void observe_output_grad(const Exec&, const tensor_type&, double) override {}
   kfac::impl::ObservationCheck check_observations() const override {
-    return {inputs_ == 0 ? "no observations were given" : std::string()};
+    return {this->observations().inputs() == 0 ? "no observations were given" : std::string()};
   }
-  void clear_observations() override { sumsq_ = count_ = 0; inputs_ = 0; }
+  void drop_observations() override { sumsq_ = count_ = 0; }
 
   void update_statistics(const Exec&, double decay) override {
     allocate_state_buffers();
     const double m = sumsq_ / count_;
     s_(0) = this->has_statistics() ? decay * s_(0) + (1 - decay) * m : m;
-    counter_(0) += double(inputs_);
+    counter_(0) += double(this->observations().inputs());
     this->set_statistics(true);
   }
   std::vector<kfac::impl::FactorBuffer> averaged_state() override {
@@ -73,30 +104,13 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   void allocate_state() override { allocate_state_buffers(); this->set_statistics(true); }
   void release_state() override { s_ = Vec(); counter_ = Vec(); this->set_statistics(false); }
 
-  void allocate_units() override {
-    if (inv_.extent(0) == 0) inv_ = Vec("toy::inv", 1);
-  }
-  void release_units() override { inv_ = Vec(); }
-  void decompose(const Exec&, int, double damping, int) override {
-    allocate_units();
-    ++toy_decompose_calls;
-    // A failing call leaves its buffer scribbled on: the rollback must undo that.
-    switch (toy_fail) {
-      case ToyFailure::error: inv_(0) = -1; throw kfac::Error(this->name(), "toy decomposition refused");
-      case ToyFailure::bad_alloc: inv_(0) = -1; throw std::bad_alloc();
-      case ToyFailure::nan: inv_(0) = std::numeric_limits<double>::quiet_NaN(); return;
-      case ToyFailure::none: break;
-    }
-    inv_(0) = 1.0 / (s_(0) + damping);
-  }
-  std::vector<kfac::impl::Buffer> unit_buffers(int) override { return {kfac::impl::buffer_of(inv_)}; }
-
   void apply(const Exec&, double) override {
     const auto& ws = this->workspace_;
-    for (std::size_t i = 0; i < ws.x().span(); ++i) ws.v().data()[i] = ws.x().data()[i] * inv_(0);
+    const double inv = inverse_.value()(0);
+    for (std::size_t i = 0; i < ws.x().span(); ++i) ws.v().data()[i] = ws.x().data()[i] * inv;
   }
   kfac::MemoryReport memory() const override {
-    return {this->name(), this->kind(), (s_.span() + counter_.span()) * 8, inv_.span() * 8,
+    return {this->name(), this->kind(), (s_.span() + counter_.span()) * 8, inverse_.value().span() * 8,
             this->workspace_.bytes()};
   }
   kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
@@ -106,7 +120,7 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
 
   double statistic() const { return this->has_statistics() ? s_(0) : -1; }
   double counter() const { return this->has_statistics() ? counter_(0) : -1; }
-  double inverse() const { return inv_.extent(0) ? inv_(0) : -1; }
+  double inverse() const { return inverse_.value().extent(0) ? inverse_.value()(0) : -1; }
 
  private:
   void allocate_state_buffers() {
@@ -114,8 +128,8 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   }
 
   double sumsq_ = 0, count_ = 0;
-  long inputs_ = 0;
-  Vec s_, counter_, inv_;
+  Vec s_, counter_;
+  Inverse inverse_{*this};
 };
 
 /// \brief The toy method object: V = X / (s + damping).

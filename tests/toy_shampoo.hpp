@@ -35,7 +35,41 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  ShampooBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer, describe(layer)) {}
+  ShampooBlock(std::string name, const kfac::Dense& layer) : base(std::move(name), layer, describe(layer)) {
+    this->use_units({&left_root_, &right_root_});
+  }
+
+  /// A unit: (F + damping I)^{-1/4} of one statistic F (L or R), through F = Q diag(lambda) Q^T.
+  class Root final : public kfac::impl::UnitState<Exec> {
+   public:
+    Root(const ShampooBlock& block, const Mat& statistic, int n, const char* label)
+        : block_(block), statistic_(statistic), n_(n), label_(label) {}
+    void allocate() override {
+      if (root_.extent(0) == 0) root_ = Mat(label_, n_, n_);
+    }
+    void release() override { root_ = Mat(); }
+    void decompose(const Exec&, double damping, int) override {
+      allocate();
+      const Eigen::SelfAdjointEigenSolver<Rows> eig(map(statistic_));
+      if (eig.info() != Eigen::Success) throw kfac::Error(block_.name(), "eigendecomposition failed");
+      Eigen::VectorXd root = eig.eigenvalues().array() + damping;
+      if (!(root.minCoeff() > 0)) throw kfac::Error(block_.name(), "statistic + damping is not positive definite");
+      root = root.array().pow(-0.25);
+      map(root_) = eig.eigenvectors() * root.asDiagonal() * eig.eigenvectors().transpose();
+    }
+    std::vector<kfac::impl::Buffer> buffers() override {
+      allocate();
+      return {kfac::impl::buffer_of(root_)};
+    }
+    const Mat& root() const { return root_; }
+
+   private:
+    const ShampooBlock& block_;
+    const Mat& statistic_;  // the block's L or R, read when decomposing
+    int n_;
+    const char* label_;
+    Mat root_;
+  };
 
   /// Two units, the roots of L (g x g) and R (c x c), each an eigendecomposition; the
   /// checkpoint holds L and R. Planned work: preconditioning, (L root) X, then times (R root).
@@ -59,7 +93,7 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
 
   // Observations are checked for their shape (DenseToyBlock) and not used (Block's defaults):
   // the statistics come from the gradient.
-  void clear_observations() override { pending_set_ = false; }
+  void drop_observations() override { pending_set_ = false; }
   /// Takes this step's gradient as the pending statistics' source (a retry replaces it).
   void observe_gradient(const Exec&, const grad_matrix& w, const grad_vector& b) override {
     if (pending_.extent(0) == 0) pending_ = Mat("shampoo::pending", g_, c_);
@@ -91,30 +125,14 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
   void allocate_state() override { allocate_state_buffers(); this->set_statistics(true); }
   void release_state() override { l_ = Mat(); r_ = Mat(); this->set_statistics(false); }
 
-  void allocate_units() override {
-    if (pl_.extent(0) == 0) { pl_ = Mat("shampoo::l_root", g_, g_); pr_ = Mat("shampoo::r_root", c_, c_); }
-  }
-  void release_units() override { pl_ = Mat(); pr_ = Mat(); }
-  /// Unit u's (F + damping I)^{-1/4}, F = L (u = 0) or R (u = 1), through F = Q diag(lambda) Q^T.
-  void decompose(const Exec&, int u, double damping, int) override {
-    allocate_units();
-    const Rows f = map(u == 0 ? l_ : r_);
-    const Eigen::SelfAdjointEigenSolver<Rows> eig(f);
-    if (eig.info() != Eigen::Success) throw kfac::Error(this->name(), "eigendecomposition failed");
-    Eigen::VectorXd root = eig.eigenvalues().array() + damping;
-    if (!(root.minCoeff() > 0)) throw kfac::Error(this->name(), "statistic + damping is not positive definite");
-    root = root.array().pow(-0.25);
-    map(u == 0 ? pl_ : pr_) = eig.eigenvectors() * root.asDiagonal() * eig.eigenvectors().transpose();
-  }
-  std::vector<kfac::impl::Buffer> unit_buffers(int u) override { return {kfac::impl::buffer_of(u == 0 ? pl_ : pr_)}; }
-
   /// V = (L root) X (R root), on the workspace's X and V seen as g x c row-major matrices.
   void apply(const Exec&, double) override {
     const auto& ws = this->workspace_;
-    Map(ws.v().data(), g_, c_) = map(pl_) * Map(ws.x().data(), g_, c_) * map(pr_);
+    Map(ws.v().data(), g_, c_) = map(left_root_.root()) * Map(ws.x().data(), g_, c_) * map(right_root_.root());
   }
   kfac::MemoryReport memory() const override {
-    return {this->name(), this->kind(), (l_.span() + r_.span()) * 8, (pl_.span() + pr_.span()) * 8,
+    return {this->name(), this->kind(), (l_.span() + r_.span()) * 8,
+            (left_root_.root().span() + right_root_.root().span()) * 8,
             this->workspace_.bytes() + pending_.span() * 8};
   }
   /// After a step every rank holds L, R, X, V and the pending gradient; holders also the roots.
@@ -136,7 +154,8 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
   }
 
   bool pending_set_ = false;
-  Mat pending_, l_, r_, pl_, pr_;
+  Mat pending_, l_, r_;
+  Root left_root_{*this, l_, g_, "shampoo::l_root"}, right_root_{*this, r_, c_, "shampoo::r_root"};
 };
 
 /// \brief The toy Shampoo method object (Dense layers only).

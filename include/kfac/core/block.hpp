@@ -9,6 +9,7 @@
 
 #include "kfac/core/buffer.hpp"
 #include "kfac/core/gradient_workspace.hpp"
+#include "kfac/core/observations.hpp"
 #include "kfac/error.hpp"
 #include "kfac/impl/blas.hpp"
 #include "kfac/impl/tensor.hpp"
@@ -83,6 +84,27 @@ struct ObservationCheck {
   double scale = 0;
 };
 
+/// \brief What one decomposable unit holds and does (K-FAC: the factorization of A or of G).
+/// A block owns its units as members and hands them to Block::use_units when built, in the
+/// order of its description's units; the core reaches them through Block's allocate_units,
+/// decompose(u), unit_buffers(u) and release_units.
+template <class Exec>
+class UnitState {
+ public:
+  virtual ~UnitState() = default;
+  /// Allocates the unit's buffers when absent.
+  virtual void allocate() = 0;
+  virtual void release() = 0;
+  /// Computes the unit from its block's statistics, allocating it when absent. `attempt` >= 1
+  /// is a retry of a failed call with the raised damping: a unit whose decomposition does not
+  /// depend on the damping changes the problem then (K-FAC's eigendecomposition solves F +
+  /// damping I), so that a retry is not the same computation.
+  virtual void decompose(const Exec& exec, double damping, int attempt) = 0;
+  /// Views of its buffers (allocated when absent), in the shapes of the description's unit:
+  /// what distribution shares and a checkpoint holds.
+  virtual std::vector<Buffer> buffers() = 0;
+};
+
 /// \brief What a block is, fixed when it is built: its method's constructor fills it, and the
 /// core, the distribution, checkpoints and the cost model read it instead of asking the block.
 struct BlockDescription {
@@ -119,9 +141,12 @@ struct BlockDescription {
 /// - description: a value given to the constructor (BlockDescription): kind, signature,
 ///   gradient shape, checkpoint shapes, the decomposable units with their costs, the split of
 ///   the apply and the planned work; the accessors below read it directly;
-/// - observations: checks that return why an observation is refused (empty when valid), then
-///   observe_*; pending observations become statistics only in update_statistics(), and stay
-///   pending until clear_observations(), so a step that fails can be retried;
+/// - observations: the block hands the layer's checks to use_observations() when built; the
+///   core asks check_input/check_output_grad why an observation is refused (empty when valid;
+///   the pairing of a step's inputs and gradients is checked there, ObservationPairs), then
+///   observe_* passes it to the block's add_* and counts it. Pending observations become
+///   statistics only in update_statistics(), and stay pending until clear_observations()
+///   (which calls the block's drop_observations), so a step that fails can be retried;
 /// - statistics from the gradient (Shampoo-like methods): observe_gradient(w, b) is called on
 ///   each statistics-update step, just before update_statistics(), with this step's (validated)
 ///   gradient. What it takes is pending like an observation, and a retried step calls it again:
@@ -130,9 +155,10 @@ struct BlockDescription {
 ///   (K-FAC: the running factors); checkpoint_state() is what a checkpoint must hold to resume
 ///   (everything averaged, plus state that must never be averaged, e.g. a method's private
 ///   subspaces). Both are views of the block's own buffers;
-/// - decomposable units (BlockDescription::units, K-FAC: A and G; closed forms: none): each is
-///   computed on one rank by decompose(u), shared as unit_buffers(u), and
-///   finish_decomposition() runs once all are in place;
+/// - decomposable units (BlockDescription::units, K-FAC: A and G; closed forms: none): values
+///   with their behaviour (UnitState), handed to use_units() when built; each is computed on
+///   one rank by decompose(u), shared as unit_buffers(u), and finish_decomposition() runs once
+///   all are in place;
 /// - statistics presence: the block calls set_statistics() when its statistics appear or go
 ///   (update_statistics, allocate_state, release_state); has_statistics() reads it;
 /// - preconditioning: the block hands its GradientWorkspace to use_gradient() when built, and
@@ -179,15 +205,37 @@ class Block {
   index_t split_rows() const { return description_.split_rows; }
   const BlockPlan& plan() const { return description_.plan; }
 
-  virtual std::string check_input(const Extents& e) const = 0;
-  virtual std::string check_output_grad(const Extents& e) const = 0;
-  // Observations. The defaults describe a method that takes none (its statistics come from the
-  // gradient, observe_gradient): it then overrides none of the three below.
-  virtual void observe_input(const Exec&, const tensor_type&) {}
-  virtual void observe_output_grad(const Exec&, const tensor_type&, double /*scale*/) {}
+  /// Why an input (output gradient) of extents `e` would be refused now: the layer's check, and
+  /// the check against the observation it pairs with. Empty when valid.
+  std::string check_input(const Extents& e) const { return observations().check_input(e); }
+  std::string check_output_grad(const Extents& e) const { return observations().check_output_grad(e); }
+  /// Passes a checked observation to the block (add_input), then counts it.
+  void observe_input(const Exec& exec, const tensor_type& x) {
+    add_input(exec, x);
+    pairs_.add_input(extents_of(x));
+  }
+  void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) {
+    add_output_grad(exec, g, scale);
+    pairs_.add_output_grad(extents_of(g));
+  }
+  void clear_observations() {
+    drop_observations();
+    pairs_.clear();
+  }
+  /// This step's observations so far (counts; a block's add_* sees those before the new one).
+  const ObservationPairs& observations() const {
+    if (!pairs_.has_checks())
+      throw Error(name_, "the block was built without its layer's checks (Block::use_observations)");
+    return pairs_;
+  }
+  // What the block does with observations. The defaults describe a method that takes none (its
+  // statistics come from the gradient, observe_gradient): it then overrides only the third.
+  virtual void add_input(const Exec&, const tensor_type&) {}
+  virtual void add_output_grad(const Exec&, const tensor_type&, double /*scale*/) {}
+  /// Frees what the pending observations hold (the pairing is the base's).
+  virtual void drop_observations() = 0;
   /// Whether the pending observations can form a statistics update, and how large it can be.
   virtual ObservationCheck check_observations() const { return {}; }
-  virtual void clear_observations() = 0;
   std::string observations_problem() const { return check_observations().problem; }
   bool observations_overflow() const { return check_observations().overflow; }
   double observations_scale() const { return check_observations().scale; }
@@ -207,15 +255,16 @@ class Block {
   /// Frees the statistics and marks them absent.
   virtual void release_state() = 0;
 
-  virtual void allocate_units() {}
-  /// Frees the decompositions and the buffers only their holder needs.
-  virtual void release_units() {}
-  /// Computes unit u from the statistics, allocating the units if needed. `attempt` >= 1 is a
-  /// retry of a failed decompose() with the raised damping: a block whose decomposition does
-  /// not depend on the damping changes the problem then (K-FAC's eigendecomposition solves
-  /// F + damping I), so that a retry is not the same computation.
-  virtual void decompose(const Exec&, int /*u*/, double /*damping*/, int /*attempt*/ = 0) {}
-  virtual std::vector<Buffer> unit_buffers(int) { return {}; }
+  void allocate_units() {
+    for (auto* unit : units_) unit->allocate();
+  }
+  /// Frees the decompositions and the buffers only their holder needs (default: the units).
+  virtual void release_units() {
+    for (auto* unit : units_) unit->release();
+  }
+  /// Computes unit u from the statistics (UnitState::decompose).
+  void decompose(const Exec& exec, int u, double damping, int attempt = 0) { unit(u).decompose(exec, damping, attempt); }
+  std::vector<Buffer> unit_buffers(int u) { return unit(u).buffers(); }
   /// Computes on the calling thread what decompose() reads besides the statistics (K-FAC: the
   /// pi of pi-damping, from the factors' traces), once per decomposition of the layer.
   virtual void prepare_decomposition(const Exec&) {}
@@ -251,8 +300,24 @@ class Block {
   /// The block's gradient workspace, a member of the block that outlives this base's use of it.
   void use_gradient(GradientBuffers<Scalar, Exec>& workspace) { gradient_ = &workspace; }
   void set_statistics(bool present) { statistics_present_ = present; }
+  /// The layer's observation checks and the pairing rule (ObservationPairs(layer, order)).
+  void use_observations(ObservationPairs pairs) { pairs_ = std::move(pairs); }
+  /// The block's units (members of the block), one per description unit, in its order.
+  void use_units(std::vector<UnitState<Exec>*> units) {
+    if (units.size() != description_.units.size())
+      throw Error(name_, "the block describes " + std::to_string(description_.units.size()) + " unit(s) but hands " +
+                             std::to_string(units.size()) + " to use_units");
+    units_ = std::move(units);
+  }
 
  private:
+  UnitState<Exec>& unit(int u) const {
+    if (u < 0 || std::size_t(u) >= units_.size())
+      throw Error(name_, "unit " + std::to_string(u) + " does not exist (the block has " + std::to_string(units_.size()) +
+                             " unit(s) in use)");
+    return *units_[std::size_t(u)];
+  }
+
   GradientBuffers<Scalar, Exec>& gradient() const {
     if (!gradient_) throw Error(name_, "the block was built without a gradient workspace (Block::use_gradient)");
     return *gradient_;
@@ -261,6 +326,8 @@ class Block {
   std::string name_;
   BlockDescription description_;
   GradientBuffers<Scalar, Exec>* gradient_ = nullptr;
+  std::vector<UnitState<Exec>*> units_;
+  ObservationPairs pairs_;
   bool statistics_present_ = false;
 };
 

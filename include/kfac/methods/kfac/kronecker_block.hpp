@@ -160,7 +160,51 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
       : base(std::move(name), describe(layer, inversion)), layer_(layer), inversion_(std::move(inversion)),
         na_(layer.a_dim()), ng_(layer.g_dim()), gradient_(layer.weight_rows(), layer.weight_cols(), layer.bias()) {
     this->use_gradient(gradient_);
+    this->use_observations(impl::ObservationPairs(layer));
+    if constexpr (!diagonal) this->use_units({&unit_a_, &unit_g_});
   }
+
+  /// \brief Unit 0 (A) or 1 (G): the factorization of one factor, computed with its share of
+  /// the damping (pi-damping splits it between the two, from both factors' traces).
+  class FactorUnit final : public impl::UnitState<Exec> {
+   public:
+    FactorUnit(KroneckerBlock& block, int side) : block_(block), side_(side) {}
+    void allocate() override {
+      if constexpr (!diagonal) {
+        if (fact_) return;
+        const index_t n = side_ == 0 ? block_.na_ : block_.ng_;
+        if constexpr (impl::builds_with_settings<Fact, InversePolicy>::value) fact_ = std::make_unique<Fact>(n, block_.inversion_);
+        else fact_ = std::make_unique<Fact>(n);
+      }
+    }
+    void release() override { fact_.reset(); }
+    /// Retries of an eigendecomposition (which ignores the damping) decompose A + damping I and
+    /// take the damping off the eigenvalues again; explicit inverses use the raised damping.
+    void decompose(const Exec& exec, double damping, int attempt) override {
+      if constexpr (!diagonal) {
+        allocate();
+        const double shift = attempt > 0 && InversePolicy::damping_at_apply ? damping : 0.0;
+        // Explicit inverses add sqrt(damping) to their factor: damping pi^2 for A and
+        // damping / pi^2 for G give pi sqrt(damping) and sqrt(damping) / pi (pi = 1: unchanged).
+        const double pi = block_.pi_ > 0 ? block_.pi_ : block_.pi_damping(exec);
+        if (side_ == 0) fact_->compute(exec, block_.a_, pi == 1.0 ? damping : damping * pi * pi, block_.inversion_, shift);
+        else fact_->compute(exec, block_.g_, pi == 1.0 ? damping : damping / (pi * pi), block_.inversion_, shift);
+      } else {
+        (void)exec; (void)damping; (void)attempt;
+      }
+    }
+    std::vector<impl::Buffer> buffers() override {
+      allocate();
+      if constexpr (!diagonal) return fact_->buffers();
+      else return {};
+    }
+    const Fact* get() const { return fact_.get(); }
+
+   private:
+    KroneckerBlock& block_;
+    int side_;
+    std::unique_ptr<Fact> fact_;
+  };
 
   /// The block's description: unit 0 is A, unit 1 is G (Diagonal: no units, a closed form).
   static impl::BlockDescription describe(const LayerType& layer, const InversePolicy& inversion) {
@@ -211,64 +255,35 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
 
   const LayerType& layer() const { return layer_; }
 
-  std::string check_input(const impl::Extents& e) const override {
-    std::string why = layer_.check_input(e);
-    const std::size_t k = std::size_t(a_count_);
-    if (!why.empty() || k >= g_extents_.size()) return why;
-    // The output gradient it pairs with was observed first: check that pair now.
-    const std::string pair = g_extents_[k][0] != e[0] ? "the batches differ" : layer_.check_output_grad(g_extents_[k], e);
-    if (pair.empty()) return {};
-    return "input has shape " + impl::extents_string(e.data(), 4) + " but the output gradient observed before it " +
-           "(observation " + std::to_string(k + 1) + " of this step) has shape " +
-           impl::extents_string(g_extents_[k].data(), 4) + ": " + pair;
-  }
-  /// The k-th output gradient of a step pairs with the k-th input of the step (the order
-  /// BatchNorm2d requires too). A batch mismatch is refused here, with the bad observation
-  /// kept out; step()'s sample-count check could only refuse the whole pending update, which
-  /// no call can then repair.
-  std::string check_output_grad(const impl::Extents& e) const override {
-    const std::size_t k = std::size_t(g_count_);
-    if (k < a_extents_.size() && e[0] != a_extents_[k][0])
-      return "output gradient has batch " + std::to_string(e[0]) +
-             " but the input it pairs with (observation " + std::to_string(k + 1) +
-             " of this step) has batch " + std::to_string(a_extents_[k][0]);
-    return layer_.check_output_grad(e, k < a_extents_.size() ? a_extents_[k] : last_input_);
-  }
-
-  void observe_input(const Exec& exec, const tensor_type& x) override {
+  void add_input(const Exec& exec, const tensor_type& x) override {
     const auto e = impl::extents_of(x);
     const ConstRows in_place = rows_in_place(x, layer_.a_rows(e), na_, 0);
     if (in_place.data()) {
-      fold(exec, in_place, a_count_ == 0, na_, a_pending_);  // may throw (allocation): nothing counted yet
+      fold(exec, in_place, this->observations().inputs() == 0, na_, a_pending_);  // may throw (allocation): nothing counted yet
     } else {
       RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::a_rows"),
                    layer_.a_rows(e), na_);
       layer_.fill_a_rows(exec, x, rows);
-      fold(exec, rows, a_count_ == 0, na_, a_pending_);
+      fold(exec, rows, this->observations().inputs() == 0, na_, a_pending_);
     }
-    ++a_count_;
     a_trace_ = impl::pending_trace<diagonal>(exec, a_pending_);
     a_norm_ += layer_.a_normalizer(e);
     a_samples_ += e[0];
-    a_extents_.push_back(e);
-    last_input_ = e;
   }
-  void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
+  void add_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
     const auto e = impl::extents_of(g);
     const ConstRows in_place = rows_in_place(g, layer_.g_rows(e), ng_, scale == 1.0 ? 1 : -1);
     if (in_place.data()) {
-      fold(exec, in_place, g_count_ == 0, ng_, g_pending_);
+      fold(exec, in_place, this->observations().output_grads() == 0, ng_, g_pending_);
     } else {
       RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::g_rows"),
                    layer_.g_rows(e), ng_);
       layer_.fill_g_rows(exec, g, scale, rows);
-      fold(exec, rows, g_count_ == 0, ng_, g_pending_);
+      fold(exec, rows, this->observations().output_grads() == 0, ng_, g_pending_);
     }
-    ++g_count_;
     g_trace_ = impl::pending_trace<diagonal>(exec, g_pending_);
     g_norm_ += layer_.g_normalizer(e);
     g_samples_ += e[0];
-    g_extents_.push_back(e);
   }
   /// Scale: the larger new factor's trace. Overflow: either trace above the factor type's range.
   impl::ObservationCheck check_observations() const override {
@@ -276,9 +291,10 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     c.scale = std::max(a_norm_ > 0 ? a_trace_ / a_norm_ : 0.0, g_norm_ > 0 ? g_trace_ / g_norm_ : 0.0);
     const double big = impl::largest_value<F>();
     c.overflow = a_norm_ != 0 && g_norm_ != 0 && (!(a_trace_ / a_norm_ <= big) || !(g_trace_ / g_norm_ <= big));
-    if (a_count_ == 0 && g_count_ == 0) c.problem = "no observations were given";
-    else if (a_count_ == 0) c.problem = "no input was observed";
-    else if (g_count_ == 0) c.problem = "no output gradient was observed";
+    const auto& seen = this->observations();
+    if (seen.inputs() == 0 && seen.output_grads() == 0) c.problem = "no observations were given";
+    else if (seen.inputs() == 0) c.problem = "no input was observed";
+    else if (seen.output_grads() == 0) c.problem = "no output gradient was observed";
     else if (a_samples_ != g_samples_)
       c.problem = "observed " + std::to_string(a_samples_) + " input samples but " +
                   std::to_string(g_samples_) + " output-gradient samples";
@@ -290,10 +306,7 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
   }
   /// The pending Gram matrices are kept (their values are dead until the next step's first
   /// observation overwrites them): allocating them again each step cost more than their syrk.
-  void clear_observations() override {
-    a_count_ = g_count_ = 0;
-    a_extents_.clear();
-    g_extents_.clear();
+  void drop_observations() override {
     a_norm_ = g_norm_ = 0;
     a_trace_ = g_trace_ = 0;
     a_samples_ = g_samples_ = 0;
@@ -328,45 +341,19 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
               {impl::buffer_of(g_), ng_, true, FactorPolicy::packed}};
   }
 
-  void allocate_units() override {
-    if constexpr (!diagonal) {
-      if (fa_) return;
-      if constexpr (impl::builds_with_settings<Fact, InversePolicy>::value) {
-        fa_ = std::make_unique<Fact>(na_, inversion_);
-        fg_ = std::make_unique<Fact>(ng_, inversion_);
-      } else {
-        fa_ = std::make_unique<Fact>(na_);
-        fg_ = std::make_unique<Fact>(ng_);
-      }
-    }
-  }
+  /// Frees both factorizations, and the products only a holder computes from them (the
+  /// precomputed reciprocal, the apply's intermediate).
   void release_units() override {
-    fa_.reset();
-    fg_.reset();
+    base::release_units();
     reciprocal_ = DMatrix();
     work_ = DMatrix();
-  }
-  /// Retries of an eigendecomposition (which ignores the damping) decompose A + damping I and
-  /// take the damping off the eigenvalues again; explicit inverses use the raised damping.
-  void decompose(const Exec& exec, int which, double damping, int attempt = 0) override {
-    if constexpr (!diagonal) {
-      allocate_units();
-      const double shift = attempt > 0 && InversePolicy::damping_at_apply ? damping : 0.0;
-      // Explicit inverses add sqrt(damping) to their factor: damping pi^2 for A and
-      // damping / pi^2 for G give pi sqrt(damping) and sqrt(damping) / pi (pi = 1: unchanged).
-      const double pi = pi_ > 0 ? pi_ : pi_damping(exec);
-      if (which == 0) fa_->compute(exec, a_, pi == 1.0 ? damping : damping * pi * pi, inversion_, shift);
-      else fg_->compute(exec, g_, pi == 1.0 ? damping : damping / (pi * pi), inversion_, shift);
-    } else {
-      (void)exec; (void)which; (void)damping; (void)attempt;
-    }
   }
   void prepare_decomposition(const Exec& exec) override { pi_ = pi_damping(exec); }
   void finish_decomposition(const Exec& exec, double damping, bool precompute) override {
     if constexpr (!diagonal && InversePolicy::damping_at_apply) {
       if (precompute) {
         if (reciprocal_.extent(0) == 0) reciprocal_ = DMatrix("kfac::layer::reciprocal", na_, ng_);
-        InversePolicy::reciprocal(exec, *fg_, *fa_, damping, reciprocal_);
+        InversePolicy::reciprocal(exec, *unit_g_.get(), *unit_a_.get(), damping, reciprocal_);
       } else {
         reciprocal_ = DMatrix();
       }
@@ -374,16 +361,6 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
       (void)exec; (void)damping; (void)precompute;
     }
   }
-  std::vector<impl::Buffer> unit_buffers(int which) override {
-    if constexpr (diagonal) {
-      (void)which;
-      return {};
-    } else {
-      allocate_units();
-      return (which == 0 ? fa_ : fg_)->buffers();
-    }
-  }
-
   void apply(const Exec& exec, double damping) override {
     if constexpr (diagonal) {
       auto out = gradient_.v();
@@ -397,14 +374,14 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
           KOKKOS_LAMBDA(int j, int i) { out(j, i) = x(j, i) / (D(g(i, 0)) * D(a(j, 0)) + d); });
     } else {
       ensure_work();
-      InversePolicy::apply(exec, *fg_, *fa_, gradient_.x(), damping, reciprocal_, work_, gradient_.v());
+      InversePolicy::apply(exec, *unit_g_.get(), *unit_a_.get(), gradient_.x(), damping, reciprocal_, work_, gradient_.v());
     }
   }
   /// Columns [r0, r1) of the transposed output V^T (a x g): rows r0..r1 of V.
   void apply_rows(const Exec& exec, double damping, int pass, index_t r0, index_t r1) override {
     if constexpr (impl::split_passes_of<InversePolicy>::value > 0 && !diagonal) {
       ensure_work();
-      InversePolicy::apply_rows(exec, *fg_, *fa_, gradient_.x(), damping, reciprocal_, work_, gradient_.v(), pass, r0,
+      InversePolicy::apply_rows(exec, *unit_g_.get(), *unit_a_.get(), gradient_.x(), damping, reciprocal_, work_, gradient_.v(), pass, r0,
                                 r1);
     } else {
       (void)exec; (void)damping; (void)pass; (void)r0; (void)r1;
@@ -424,7 +401,8 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
   MemoryReport memory() const override {
     MemoryReport r{this->name(), this->kind(), 0, 0, 0};
     r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
-    if (fa_) r.decomposition_bytes = fa_->bytes() + fg_->bytes();
+    for (const auto* unit : {&unit_a_, &unit_g_})
+      if (unit->get()) r.decomposition_bytes += unit->get()->bytes();
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
     r.workspace_bytes = gradient_.bytes() + work_.size() * sizeof(D);
     r.workspace_bytes += (a_pending_.size() + g_pending_.size()) * sizeof(C);
@@ -461,9 +439,9 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     impl::transfer_factor<Exec, C, F>(Exec(), impl::FactorBuffer{impl::buffer_of(f), n, true, true}, p, 0, true);
     return p;
   }
-  const Fact* decomposition_a() const { return fa_.get(); }
+  const Fact* decomposition_a() const { return unit_a_.get(); }
   const InversePolicy& inversion() const { return inversion_; }
-  const Fact* decomposition_g() const { return fg_.get(); }
+  const Fact* decomposition_g() const { return unit_g_.get(); }
 
  private:
   void allocate_factor_storage() {
@@ -538,19 +516,15 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
   LayerType layer_;
   InversePolicy inversion_;
   index_t na_, ng_;
-  impl::Extents last_input_{0, 0, 0, 0};
-  std::vector<impl::Extents> a_extents_;  // of this step's inputs, in observation order
-  std::vector<impl::Extents> g_extents_;  // of this step's output gradients, likewise
   // Sum of R^T R over this step's observations (upper triangle), persistent across steps:
   // (a^2 + g^2) values of C from the first observation on, (a + g) for Diagonal.
   PMatrix a_pending_, g_pending_;
-  int a_count_ = 0, g_count_ = 0;   // observations folded in this step
   double a_norm_ = 0, g_norm_ = 0;
   double a_trace_ = 0, g_trace_ = 0;  // traces of the pending Gram matrices (sums of squares of their rows)
   double pi_ = 0;  // pi of the factors being decomposed (prepare_decomposition); 0: not known
   long a_samples_ = 0, g_samples_ = 0;
   FMatrix a_, g_;
-  std::unique_ptr<Fact> fa_, fg_;
+  FactorUnit unit_a_{*this, 0}, unit_g_{*this, 1};  // the factorizations of A and G (none for Diagonal)
   // X^T and V^T (gradient_), the intermediate product work_ and reciprocal_ are (a_dim x g_dim)
   // column-major: the memory order of the caller's row-major (g_dim x a_dim) gradient, so that
   // loading and storing it are contiguous copies. Preconditioning X^T with the roles of A and G

@@ -69,6 +69,7 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
         gradient_(layer.weight_rows(), layer.weight_cols(), layer.bias()) {
     gradient_.start_from_x();  // apply() updates V = X in place
     this->use_gradient(gradient_);
+    this->use_observations(impl::ObservationPairs(layer));
     check(s_.rank_in >= 0 && s_.rank_in < na_, "rank_in = " + std::to_string(s_.rank_in) +
           ": expected 0 <= rank_in < " + std::to_string(na_) + " (the input dimension, with the bias column)");
     check(s_.rank_out >= 0 && s_.rank_out < ng_, "rank_out = " + std::to_string(s_.rank_out) +
@@ -113,25 +114,13 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     return d;
   }
 
-  std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
-  /// The k-th output gradient of a step pairs with the k-th input (as for K-FAC).
-  std::string check_output_grad(const impl::Extents& e) const override {
-    const std::size_t k = obs_out_.rows.size();
-    if (k < in_extents_.size() && e[0] != in_extents_[k][0])
-      return "output gradient has batch " + std::to_string(e[0]) +
-             " but the input it pairs with (observation " + std::to_string(k + 1) +
-             " of this step) has batch " + std::to_string(in_extents_[k][0]);
-    return layer_.check_output_grad(e, k < in_extents_.size() ? in_extents_[k] : last_input_);
-  }
-  void observe_input(const Exec& exec, const tensor_type& x) override {
+  void add_input(const Exec& exec, const tensor_type& x) override {
     const auto e = impl::extents_of(x);
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::ngsgd::in_rows"), layer_.a_rows(e), na_);
     layer_.fill_a_rows(exec, x, rows);
     obs_in_.add(exec, rows, layer_.a_normalizer(e), e[0]);
-    in_extents_.push_back(e);
-    last_input_ = e;
   }
-  void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
+  void add_output_grad(const Exec& exec, const tensor_type& g, double scale) override {
     const auto e = impl::extents_of(g);
     RMatrix rows(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::ngsgd::out_rows"), layer_.g_rows(e), ng_);
     layer_.fill_g_rows(exec, g, scale, rows);
@@ -152,10 +141,9 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     else if (c.overflow) c.problem = "observations would overflow the scalar type";
     return c;
   }
-  void clear_observations() override {
+  void drop_observations() override {
     obs_in_ = Pending{};
     obs_out_ = Pending{};
-    in_extents_.clear();
   }
 
   /// One step of the recurrence per side (Kaldi's initialisation on the first); `decay` is
@@ -320,8 +308,6 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
   LayerType layer_;
   NGSGDSettings s_;
   index_t na_, ng_;
-  impl::Extents last_input_{0, 0, 0, 0};
-  std::vector<impl::Extents> in_extents_;
   Pending obs_in_, obs_out_;
   Fisher est_in_, est_out_, prev_in_, prev_out_;
   bool frozen_ = false;

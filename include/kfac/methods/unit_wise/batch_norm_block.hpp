@@ -42,6 +42,8 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
         sums_("kfac::bn::sums", c_, 3), gradient_(c_, 1, true) {
     gradient_.terms_per_column();  // <V, X> sums one 2-vector per channel
     this->use_gradient(gradient_);
+    // an output gradient pairs with the normalized input observed before it
+    this->use_observations(impl::ObservationPairs(layer, impl::ObservationPairs::Order::input_first));
   }
 
   /// The description: a (channels x 1) weight (gamma) with a bias (beta); no units (closed
@@ -58,14 +60,7 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
     return d;
   }
 
-  std::string check_input(const impl::Extents& e) const override { return layer_.check_input(e); }
-  std::string check_output_grad(const impl::Extents& e) const override {
-    if (inputs_.size() <= grads_)
-      return "output gradient observed without a matching normalized input (call observe_input first)";
-    return layer_.check_output_grad(e, impl::extents_of(inputs_[grads_]));
-  }
-
-  void observe_input(const Exec& exec, const tensor_type& x) override {
+  void add_input(const Exec& exec, const tensor_type& x) override {
     Stored copy(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::bn::xhat"), x.extent(0),
                 x.extent(1), x.extent(2), x.extent(3));
     Kokkos::deep_copy(exec, copy, x);
@@ -73,8 +68,9 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   }
 
   /// Adds the per-sample (gamma, beta) gradient products of one micro-batch to the sums.
-  void observe_output_grad(const Exec& exec, const tensor_type& dy, double scale) override {
-    const auto xhat = inputs_[grads_];
+  void add_output_grad(const Exec& exec, const tensor_type& dy, double scale) override {
+    const std::size_t k = this->observations().output_grads();  // its input's index
+    const auto xhat = inputs_[k];
     const auto sums = sums_;
     const int n = int(dy.extent(0)), hw_h = int(dy.extent(2)), hw_w = int(dy.extent(3));
     const double s = scale;
@@ -97,8 +93,7 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
           sums(c, 1) += gb;
           sums(c, 2) += bb;
         });
-    inputs_[grads_] = Stored();  // folded into the sums: only O(C) stays pending
-    ++grads_;
+    inputs_[k] = Stored();  // folded into the sums: only O(C) stays pending
     samples_ += n;
   }
   /// Overflow: a channel's new (gamma, gamma) or (beta, beta) value above the factor type's range.
@@ -112,15 +107,15 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
         check.overflow = !(h(c, 0) / double(samples_) <= big) || !(h(c, 2) / double(samples_) <= big);
     }
     if (inputs_.empty()) check.problem = "no observations were given";
-    else if (grads_ != inputs_.size())
-      check.problem = "observed " + std::to_string(inputs_.size()) + " inputs but " + std::to_string(grads_) +
+    else if (this->observations().output_grads() != inputs_.size())
+      check.problem = "observed " + std::to_string(inputs_.size()) + " inputs but " +
+                      std::to_string(this->observations().output_grads()) +
                       " output gradients";
     else if (check.overflow) check.problem = "observations would overflow the factor type";
     return check;
   }
-  void clear_observations() override {
+  void drop_observations() override {
     inputs_.clear();
-    grads_ = 0;
     samples_ = 0;
     Kokkos::deep_copy(sums_, 0.0);
   }
@@ -196,7 +191,6 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   BatchNorm2d layer_;
   int c_;
   std::vector<Stored> inputs_;
-  std::size_t grads_ = 0;
   long samples_ = 0;
   Kokkos::View<double**, Kokkos::LayoutLeft, typename Exec::memory_space> sums_;
   Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space> f_;
