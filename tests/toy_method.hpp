@@ -43,7 +43,7 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   class Inverse final : public kfac::impl::UnitState<Exec> {
    public:
     explicit Inverse(const ScaledIdentityBlock& block) : block_(block) {}
-    void allocate() override {
+    void allocate() {
       if (inv_.extent(0) == 0) inv_ = Vec("toy::inv", 1);
     }
     void release() override { inv_ = Vec(); }

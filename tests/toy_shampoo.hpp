@@ -44,7 +44,7 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
    public:
     Root(const ShampooBlock& block, const Mat& statistic, int n, const char* label)
         : block_(block), statistic_(statistic), n_(n), label_(label) {}
-    void allocate() override {
+    void allocate() {
       if (root_.extent(0) == 0) root_ = Mat(label_, n_, n_);
     }
     void release() override { root_ = Mat(); }

@@ -92,16 +92,16 @@ template <class Exec>
 class UnitState {
  public:
   virtual ~UnitState() = default;
-  /// Allocates the unit's buffers when absent.
-  virtual void allocate() = 0;
+  /// Frees the unit's buffers.
   virtual void release() = 0;
   /// Computes the unit from its block's statistics, allocating it when absent. `attempt` >= 1
   /// is a retry of a failed call with the raised damping: a unit whose decomposition does not
   /// depend on the damping changes the problem then (K-FAC's eigendecomposition solves F +
   /// damping I), so that a retry is not the same computation.
   virtual void decompose(const Exec& exec, double damping, int attempt) = 0;
-  /// Views of its buffers (allocated when absent), in the shapes of the description's unit:
-  /// what distribution shares and a checkpoint holds.
+  /// Views of its buffers, allocated when absent, in the shapes of the description's unit:
+  /// what distribution shares and a checkpoint holds (and what a receiver allocates to
+  /// receive into).
   virtual std::vector<Buffer> buffers() = 0;
 };
 
@@ -256,7 +256,7 @@ class Block {
   virtual void release_state() = 0;
 
   void allocate_units() {
-    for (auto* unit : units_) unit->allocate();
+    for (auto* unit : units_) unit->buffers();
   }
   /// Frees the decompositions and the buffers only their holder needs (default: the units).
   virtual void release_units() {

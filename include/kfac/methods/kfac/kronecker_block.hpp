@@ -169,14 +169,6 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
   class FactorUnit final : public impl::UnitState<Exec> {
    public:
     FactorUnit(KroneckerBlock& block, int side) : block_(block), side_(side) {}
-    void allocate() override {
-      if constexpr (!diagonal) {
-        if (fact_) return;
-        const index_t n = side_ == 0 ? block_.na_ : block_.ng_;
-        if constexpr (impl::builds_with_settings<Fact, InversePolicy>::value) fact_ = std::make_unique<Fact>(n, block_.inversion_);
-        else fact_ = std::make_unique<Fact>(n);
-      }
-    }
     void release() override { fact_.reset(); }
     /// Retries of an eigendecomposition (which ignores the damping) decompose A + damping I and
     /// take the damping off the eigenvalues again; explicit inverses use the raised damping.
@@ -201,6 +193,15 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     const Fact* get() const { return fact_.get(); }
 
    private:
+    void allocate() {
+      if constexpr (!diagonal) {
+        if (fact_) return;
+        const index_t n = side_ == 0 ? block_.na_ : block_.ng_;
+        if constexpr (impl::builds_with_settings<Fact, InversePolicy>::value) fact_ = std::make_unique<Fact>(n, block_.inversion_);
+        else fact_ = std::make_unique<Fact>(n);
+      }
+    }
+
     KroneckerBlock& block_;
     int side_;
     std::unique_ptr<Fact> fact_;
