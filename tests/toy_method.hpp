@@ -76,7 +76,7 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
     d.kind = "toy";
     d.signature = layer.describe() + "/scaled_identity";
     d.checkpoint = {{1, 8}, {1, 8}};
-    d.units = {{{1.0, 1.0}, {{1, 8}}}};
+    d.units = {{{1.0, 1.0}, {{1, 8}}, "inverse"}};
     return d;
   }
   void add_input(const Exec&, const tensor_type& x) override {
