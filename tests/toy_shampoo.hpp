@@ -45,7 +45,7 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
     Root(const ShampooBlock& block, const Mat& statistic, int n, const char* label)
         : block_(block), statistic_(statistic), n_(n), label_(label) {}
     void allocate() {
-      if (root_.extent(0) == 0) root_ = Mat(label_, n_, n_);
+      if (root_.extent(0) == 0) root_ = Mat(std::string(label_), n_, n_);
     }
     void release() override { root_ = Mat(); }
     void decompose(const Exec&, double damping, int) override {
