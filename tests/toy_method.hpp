@@ -76,6 +76,7 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
     d.kind = "toy";
     d.signature = layer.describe() + "/scaled_identity";
     d.checkpoint = {{1, 8}, {1, 8}};
+    d.averaged = {{1, false, false}};  // s (the counter is per rank)
     d.units = {{{1.0, 1.0}, {{1, 8}}, "inverse"}};
     return d;
   }
@@ -95,16 +96,13 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
     counter_(0) += double(this->observations().inputs());
     this->set_statistics(true);
   }
-  std::vector<kfac::impl::FactorBuffer> averaged_state() override {
-    return {{kfac::impl::buffer_of(s_), 1, false, false}};
-  }
   std::vector<kfac::impl::Buffer> checkpoint_state() override {
     return {kfac::impl::buffer_of(s_), kfac::impl::buffer_of(counter_)};
   }
   void allocate_state() override { allocate_state_buffers(); this->set_statistics(true); }
   void release_state() override { s_ = Vec(); counter_ = Vec(); this->set_statistics(false); }
 
-  void apply(const Exec&, double) override {
+  void precondition(const Exec&, double, const kfac::impl::ApplyPart&) override {
     const auto& ws = this->workspace_;
     const double inv = inverse_.value()(0);
     for (std::size_t i = 0; i < ws.x().span(); ++i) ws.v().data()[i] = ws.x().data()[i] * inv;
@@ -112,10 +110,6 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   kfac::MemoryReport memory() const override {
     return {this->name(), this->kind(), (s_.span() + counter_.span()) * 8, inverse_.value().span() * 8,
             this->workspace_.bytes()};
-  }
-  kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
-    if (skipped) return {this->name(), this->kind(), 0, 0, 0};
-    return {this->name(), this->kind(), this->checkpoint_bytes(), holder ? 8u : 0u, this->workspace_.planned_bytes()};
   }
 
   double statistic() const { return this->has_statistics() ? s_(0) : -1; }

@@ -87,6 +87,8 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
       cost.work.eigh_n3 = n * n * n;
       d.units.push_back({cost, {{squared(side), 8}}, d.units.empty() ? "L" : "R"});
     }
+    d.averaged = {{g, true, false}, {c, true, false}};
+    d.memory.workspace = std::size_t(g) * std::size_t(c) * 8;  // the pending gradient (g x c), besides X and V
     d.plan.apply.gemm_flops = 2.0 * g * c * double(g + c);
     return d;
   }
@@ -116,9 +118,6 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
     }
     this->set_statistics(true);
   }
-  std::vector<kfac::impl::FactorBuffer> averaged_state() override {
-    return {{kfac::impl::buffer_of(l_), g_, true, false}, {kfac::impl::buffer_of(r_), c_, true, false}};
-  }
   std::vector<kfac::impl::Buffer> checkpoint_state() override {
     return {kfac::impl::buffer_of(l_), kfac::impl::buffer_of(r_)};
   }
@@ -126,7 +125,7 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
   void release_state() override { l_ = Mat(); r_ = Mat(); this->set_statistics(false); }
 
   /// V = (L root) X (R root), on the workspace's X and V seen as g x c row-major matrices.
-  void apply(const Exec&, double) override {
+  void precondition(const Exec&, double, const kfac::impl::ApplyPart&) override {
     const auto& ws = this->workspace_;
     Map(ws.v().data(), g_, c_) = map(left_root_.root()) * Map(ws.x().data(), g_, c_) * map(right_root_.root());
   }
@@ -135,13 +134,6 @@ class ShampooBlock final : public DenseToyBlock<Scalar, Exec> {
             (left_root_.root().span() + right_root_.root().span()) * 8,
             this->workspace_.bytes() + pending_.span() * 8};
   }
-  /// After a step every rank holds L, R, X, V and the pending gradient; holders also the roots.
-  kfac::MemoryReport planned_memory(bool holder, bool skipped, bool) const override {
-    if (skipped) return {this->name(), this->kind(), 0, 0, 0};
-    const std::size_t squares = this->checkpoint_bytes();  // L and R, or their roots
-    return {this->name(), this->kind(), squares, holder ? squares : 0, 3 * std::size_t(g_) * c_ * 8};
-  }
-
   /// The running statistics L and R, for the tests (column-major copies).
   Eigen::MatrixXd left() const { return map(l_); }
   Eigen::MatrixXd right() const { return map(r_); }

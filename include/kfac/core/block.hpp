@@ -74,6 +74,33 @@ struct Unit {
   std::string name;  ///< how errors name it (K-FAC: "A", "G"); empty: "unit <index>"
 };
 
+/// One statistics buffer the replica group averages, as it travels: an n x n matrix (whole or
+/// as its packed upper triangle) or a flat vector of n values (FactorBuffer).
+struct AveragedShape {
+  index_t n = 0;
+  bool matrix = false;
+  bool packed = false;
+};
+
+/// What a block holds after a step besides its statistics (the checkpoint's shapes) and its
+/// units' buffers, in bytes: Block::planned_memory adds them up, so that the cost model plans
+/// memory from the description without building buffers, and no block restates the sum.
+struct MemoryPlan {
+  std::size_t registered = 0;        ///< workspace held from registration on, skipped or not (BatchNorm's sums)
+  std::size_t workspace = 0;         ///< workspace kept between steps besides the gradient's (pending observations)
+  std::size_t holder_workspace = 0;  ///< workspace only a rank holding the decompositions keeps (K-FAC's intermediate)
+  std::size_t precomputed = 0;       ///< decomposition bytes a precomputed product adds on a holder (K-FAC's reciprocal)
+  std::size_t copies = 0;            ///< decomposition bytes outside the units, on every rank (NG-SGD's previous estimates)
+};
+
+/// Which rows of V an apply computes: all of them (the default), or pass `pass` of a divided
+/// apply (BlockDescription::split_passes), rows [first, last) of its output (possibly empty).
+struct ApplyPart {
+  int pass = -1;
+  index_t first = 0, last = 0;
+  bool whole() const { return pass < 0; }
+};
+
 /// What a block's pending observations allow (Block::check_observations): the default, a
 /// block that takes no observations, allows an update.
 struct ObservationCheck {
@@ -115,6 +142,9 @@ struct BlockDescription {
   index_t rows = 0, cols = 0;  ///< the weight gradient's shape
   bool bias = false;
   std::vector<BufferShape> checkpoint;  ///< the shapes of checkpoint_state()'s buffers
+  /// What the replica group averages after each statistics update: the first averaged.size()
+  /// buffers of checkpoint_state(), as they travel (K-FAC: A and G; NG-SGD: none).
+  std::vector<AveragedShape> averaged;
   std::vector<Unit> units;              ///< decomposable units (closed forms: none)
   /// True when decomposing one unit reads the other units' statistics (K-FAC's pi-damping
   /// reads both factors' traces): reduce-to-owner then keeps them on one rank or on all.
@@ -133,14 +163,17 @@ struct BlockDescription {
   /// The work of forming the statistics and of preconditioning, for the cost model (default:
   /// neither is modelled).
   BlockPlan plan;
+  /// The bytes held besides the statistics, the units and the gradient (Block::planned_memory).
+  MemoryPlan memory;
 };
 
 /// \brief The per-layer unit a Preconditioner holds: one registered layer under one method.
 ///
 /// Contract (every method's block implements all of it; none needs stubs):
 /// - description: a value given to the constructor (BlockDescription): kind, signature,
-///   gradient shape, checkpoint shapes, the decomposable units with their costs, the split of
-///   the apply and the planned work; the accessors below read it directly;
+///   gradient shape, checkpoint shapes, what is averaged, the decomposable units with their
+///   costs, the split of the apply, the planned work and memory; the accessors below,
+///   averaged_state() and planned_memory() read it directly;
 /// - observations: the block hands the layer's checks to use_observations() when built; the
 ///   core asks check_input/check_output_grad why an observation is refused (empty when valid;
 ///   the pairing of a step's inputs and gradients is checked there, ObservationPairs), then
@@ -151,10 +184,10 @@ struct BlockDescription {
 ///   each statistics-update step, just before update_statistics(), with this step's (validated)
 ///   gradient. What it takes is pending like an observation, and a retried step calls it again:
 ///   the new call replaces what the failed attempt took (never adds to it). Default: nothing;
-/// - state: averaged_state() is what the replica group averages after each statistics update
-///   (K-FAC: the running factors); checkpoint_state() is what a checkpoint must hold to resume
-///   (everything averaged, plus state that must never be averaged, e.g. a method's private
-///   subspaces). Both are views of the block's own buffers;
+/// - state: checkpoint_state() is what a checkpoint must hold to resume, as views of the
+///   block's own buffers; its first buffers (BlockDescription::averaged) are what the replica
+///   group averages after each statistics update (averaged_state(); K-FAC: the running
+///   factors), the others state that must never be averaged (a method's private subspaces);
 /// - decomposable units (BlockDescription::units, K-FAC: A and G; closed forms: none): values
 ///   with their behaviour (UnitState), handed to use_units() when built; each is computed on
 ///   one rank by decompose(u), shared as unit_buffers(u), and finish_decomposition() runs once
@@ -162,10 +195,10 @@ struct BlockDescription {
 /// - statistics presence: the block calls set_statistics() when its statistics appear or go
 ///   (update_statistics, allocate_state, release_state); has_statistics() reads it;
 /// - preconditioning: the block hands its GradientWorkspace to use_gradient() when built, and
-///   its apply reads X and writes V there; load_gradient, inner_product (for KL clipping),
-///   preconditioned() (the buffer shared with gradient receivers) and write_back are the
-///   workspace's, written once. Optionally a divided apply (split_passes, apply_rows) whose
-///   rows the layer's holders compute in parts and gather.
+///   its precondition() reads X and writes V there (the whole of V, or under a divided apply,
+///   BlockDescription::split_passes, one pass's rows, which the layer's holders compute in
+///   parts and gather); load_gradient, inner_product (for KL clipping), preconditioned() (the
+///   buffer shared with gradient receivers) and write_back are the workspace's, written once.
 /// Virtual calls happen on the host, once per layer and phase; the kernels inside are templates.
 template <class Scalar, class Exec>
 class Block {
@@ -248,7 +281,18 @@ class Block {
   virtual void update_statistics(const Exec& exec, double decay) = 0;
   /// True once statistics exist (updated, or allocated to restore into), until released.
   bool has_statistics() const { return statistics_present_; }
-  virtual std::vector<FactorBuffer> averaged_state() = 0;
+  /// What the replica group averages: the first buffers of checkpoint_state(), as the
+  /// description's `averaged` shapes say they travel.
+  std::vector<FactorBuffer> averaged_state() {
+    const auto& shapes = description_.averaged;
+    auto state = checkpoint_state();
+    if (state.size() < shapes.size())
+      throw Error(name_, "the block describes " + std::to_string(shapes.size()) + " averaged buffer(s) but its checkpoint state has " +
+                             std::to_string(state.size()));
+    std::vector<FactorBuffer> averaged;
+    for (std::size_t k = 0; k < shapes.size(); ++k) averaged.push_back({state[k], shapes[k].n, shapes[k].matrix, shapes[k].packed});
+    return averaged;
+  }
   virtual std::vector<Buffer> checkpoint_state() = 0;
   /// Allocates the checkpoint state (to restore into it) and marks the statistics present.
   virtual void allocate_state() = 0;
@@ -273,12 +317,19 @@ class Block {
 
   /// X = [w b]^T into the block's gradient workspace.
   void load_gradient(const Exec& exec, const grad_matrix& w, const grad_vector& b) { gradient().load(exec, w, b); }
-  /// V = preconditioned X, into the workspace's V.
-  virtual void apply(const Exec& exec, double damping) = 0;
-
-  // Split preconditioning (Options::split_preconditioning; BlockDescription::split_passes > 0).
-  /// Pass `pass` of a divided apply, rows [r0, r1) (possibly empty) of its output.
-  virtual void apply_rows(const Exec&, double, int, index_t, index_t) {}
+  /// V = preconditioned X, into the workspace's V: the rows `part` names (all of them unless
+  /// the description divides the apply, split_passes > 0).
+  virtual void precondition(const Exec& exec, double damping, const ApplyPart& part) = 0;
+  /// The whole of V.
+  void apply(const Exec& exec, double damping) { precondition(exec, damping, ApplyPart{}); }
+  /// Split preconditioning (Options::split_preconditioning; BlockDescription::split_passes > 0):
+  /// pass `pass` of a divided apply, rows [r0, r1) (possibly empty) of its output.
+  void apply_rows(const Exec& exec, double damping, int pass, index_t r0, index_t r1) {
+    if (pass < 0 || pass >= description_.split_passes)
+      throw Error(name_, "pass " + std::to_string(pass) + " of a divided apply, but the block's apply has " +
+                             std::to_string(description_.split_passes) + " pass(es)");
+    precondition(exec, damping, ApplyPart{pass, r0, r1});
+  }
   /// sum(V .* X), for KL clipping.
   double inner_product(const Exec& exec) const { return gradient().inner_product(exec); }
   /// V as a flat buffer: what gradient receivers get.
@@ -288,10 +339,23 @@ class Block {
     gradient().store(exec, w, b, nu);
   }
   virtual MemoryReport memory() const = 0;
-  /// What memory() will report after a step (buffers kept between steps included), computed from the
-  /// shapes without allocating: on a rank that holds the decompositions or not, for a skipped
-  /// layer or not. The cost model reads this instead of restating the formula.
-  virtual MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const = 0;
+  /// What memory() will report after a step (buffers kept between steps included), from the
+  /// description without allocating: on a rank that holds the decompositions or not, for a
+  /// skipped layer or not, with a precomputed product or not. The cost model reads this.
+  MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const {
+    const MemoryPlan& m = description_.memory;
+    MemoryReport r{name_, kind(), 0, 0, m.registered};
+    if (skipped) return r;
+    r.factor_bytes = checkpoint_bytes();
+    r.decomposition_bytes = m.copies;
+    if (holder) {
+      for (const auto& unit : description_.units)
+        for (const auto& [count, size] : unit.shapes) r.decomposition_bytes += count * size;
+      if (precompute) r.decomposition_bytes += m.precomputed;
+    }
+    r.workspace_bytes += gradient().planned_bytes() + m.workspace + (holder ? m.holder_workspace : 0);
+    return r;
+  }
 
   /// Kept for readers of the first API (statistics were called factors).
   bool has_factors() const { return has_statistics(); }

@@ -91,6 +91,8 @@ class GradientBuffers {
   virtual void store(const Exec& exec, const grad_matrix& w, const grad_vector& b, double nu) const = 0;
   /// Bytes of X and V (0 before the first load).
   virtual std::size_t bytes() const = 0;
+  /// Bytes of X and V once a gradient was loaded.
+  virtual std::size_t planned_bytes() const = 0;
 };
 
 /// \brief X and V of one layer in the scalar `D` its method preconditions in: (cols + bias) x
@@ -160,7 +162,7 @@ class GradientWorkspace final : public GradientBuffers<Scalar, Exec> {
   }
   std::size_t bytes() const override { return (x_.span() + v_.span()) * sizeof(D); }
   /// Bytes of X and V once allocated.
-  std::size_t planned_bytes() const { return 2 * std::size_t(n_) * std::size_t(rows_) * sizeof(D); }
+  std::size_t planned_bytes() const override { return 2 * std::size_t(n_) * std::size_t(rows_) * sizeof(D); }
 
  private:
   index_t rows_, n_;

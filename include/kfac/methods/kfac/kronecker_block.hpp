@@ -225,7 +225,13 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     d.bias = layer.bias();
     const std::size_t a = std::size_t(na), g = std::size_t(ng);
     d.checkpoint = {{diagonal ? a : a * a, sizeof(F)}, {diagonal ? g : g * g, sizeof(F)}};
+    d.averaged = {{na, !diagonal, !diagonal && FactorPolicy::packed}, {ng, !diagonal, !diagonal && FactorPolicy::packed}};
+    // Kept between steps: the pending Gram matrices (from the first observation on), and on a
+    // holder the apply's intermediate (g a) and a precomputed reciprocal (g a).
+    d.memory.workspace = (diagonal ? a + g : a * a + g * g) * sizeof(C);
     if constexpr (!diagonal) {
+      d.memory.holder_workspace = g * a * sizeof(D);
+      if (InversePolicy::damping_at_apply) d.memory.precomputed = g * a * sizeof(D);
       for (index_t n : {na, ng}) {
         impl::Unit u{inversion.cost(n), {}, d.units.empty() ? "A" : "G"};
         u.cost.work.scalar = sizeof(D);
@@ -334,14 +340,6 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     pi_ = 0;
   }
 
-  std::vector<impl::FactorBuffer> averaged_state() override {
-    if constexpr (diagonal)
-      return {{impl::buffer_of(a_), na_, false, false}, {impl::buffer_of(g_), ng_, false, false}};
-    else
-      return {{impl::buffer_of(a_), na_, true, FactorPolicy::packed},
-              {impl::buffer_of(g_), ng_, true, FactorPolicy::packed}};
-  }
-
   /// Frees both factorizations, and the products only a holder computes from them (the
   /// precomputed reciprocal, the apply's intermediate).
   void release_units() override {
@@ -362,7 +360,9 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
       (void)exec; (void)damping; (void)precompute;
     }
   }
-  void apply(const Exec& exec, double damping) override {
+  /// The whole V, or pass `part.pass` of a divided apply: columns [first, last) of the
+  /// transposed output V^T (a x g), rows first..last of V.
+  void precondition(const Exec& exec, double damping, const impl::ApplyPart& part) override {
     if constexpr (diagonal) {
       auto out = gradient_.v();
       auto x = gradient_.x();
@@ -373,19 +373,15 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
           "kfac::layer::diagonal_solve",
           impl::ColumnMajorRange<Exec>(exec, {0, 0}, {na_, ng_}),
           KOKKOS_LAMBDA(int j, int i) { out(j, i) = x(j, i) / (D(g(i, 0)) * D(a(j, 0)) + d); });
+      (void)part;
     } else {
       ensure_work();
-      InversePolicy::apply(exec, *unit_g_.get(), *unit_a_.get(), gradient_.x(), damping, reciprocal_, work_, gradient_.v());
-    }
-  }
-  /// Columns [r0, r1) of the transposed output V^T (a x g): rows r0..r1 of V.
-  void apply_rows(const Exec& exec, double damping, int pass, index_t r0, index_t r1) override {
-    if constexpr (impl::split_passes_of<InversePolicy>::value > 0 && !diagonal) {
-      ensure_work();
-      InversePolicy::apply_rows(exec, *unit_g_.get(), *unit_a_.get(), gradient_.x(), damping, reciprocal_, work_, gradient_.v(), pass, r0,
-                                r1);
-    } else {
-      (void)exec; (void)damping; (void)pass; (void)r0; (void)r1;
+      if (part.whole()) {
+        InversePolicy::apply(exec, *unit_g_.get(), *unit_a_.get(), gradient_.x(), damping, reciprocal_, work_, gradient_.v());
+      } else if constexpr (impl::split_passes_of<InversePolicy>::value > 0) {
+        InversePolicy::apply_rows(exec, *unit_g_.get(), *unit_a_.get(), gradient_.x(), damping, reciprocal_, work_, gradient_.v(),
+                                  part.pass, part.first, part.last);
+      }
     }
   }
   /// Bytes this process holds, with a = a_dim, g = g_dim: factor_bytes (a^2 + g^2)
@@ -407,21 +403,6 @@ class KroneckerBlock final : public impl::Block<Scalar, Exec> {
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
     r.workspace_bytes = gradient_.bytes() + work_.size() * sizeof(D);
     r.workspace_bytes += (a_pending_.size() + g_pending_.size()) * sizeof(C);
-    return r;
-  }
-
-  MemoryReport planned_memory(bool holder, bool skipped, bool precompute) const override {
-    MemoryReport r{this->name(), this->kind(), 0, 0, 0};
-    if (skipped) return r;  // a skipped Kronecker layer never allocates
-    const std::size_t a = std::size_t(na_), g = std::size_t(ng_);
-    r.factor_bytes = this->checkpoint_bytes();  // A and G
-    r.workspace_bytes = gradient_.planned_bytes() + (diagonal || !holder ? 0 : g * a * sizeof(D));  // X, V (+ work)
-    r.workspace_bytes += (diagonal ? a + g : a * a + g * g) * sizeof(C);    // pending Gram matrices
-    if (!diagonal && holder) {
-      for (const auto& unit : this->description().units)
-        for (const auto& [count, size] : unit.shapes) r.decomposition_bytes += count * size;
-      if (InversePolicy::damping_at_apply && precompute) r.decomposition_bytes += g * a * sizeof(D);
-    }
     return r;
   }
 

@@ -107,8 +107,14 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     d.bias = layer.bias();
     d.checkpoint = Fisher(layer.a_dim(), index_t(s.rank_in)).shapes();
     for (const auto& b : Fisher(layer.g_dim(), index_t(s.rank_out)).shapes()) d.checkpoint.push_back(b);
-    const double a = double(layer.a_dim()), g = double(layer.g_dim()), ri = double(s.rank_in), ro = double(s.rank_out);
-    d.plan.apply.gemm_flops = 4.0 * a * g * (ri + ro) + 2.0 * ri * ro * (a + g);
+    // Besides the estimates: their copies from before the last update, and the Woodbury
+    // products (P: r_in g, W: r_in r_out, the stacked factors (a + g)(r_in + r_out), the
+    // weights r_in + r_out).
+    for (const auto& [count, size] : d.checkpoint) d.memory.copies += count * size;
+    const std::size_t a = std::size_t(layer.a_dim()), g = std::size_t(layer.g_dim()), ri = std::size_t(s.rank_in),
+                      ro = std::size_t(s.rank_out);
+    d.memory.workspace = (ri * g + ri * ro + (a + g) * (ri + ro) + ri + ro) * sizeof(Scalar);
+    d.plan.apply.gemm_flops = 4.0 * double(a) * double(g) * double(ri + ro) + 2.0 * double(ri) * double(ro) * double(a + g);
     d.plan.apply.scalar = sizeof(Scalar);
     d.plan.statistics_per_row.scalar = sizeof(Scalar);
     return d;
@@ -166,7 +172,6 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     ++updates_;
   }
   /// Empty: averaging orthonormal bases across ranks is meaningless.
-  std::vector<impl::FactorBuffer> averaged_state() override { return {}; }
   /// R_in, (d_in, rho_in), R_out, (d_out, rho_out).
   std::vector<impl::Buffer> checkpoint_state() override {
     auto v = est_in_.buffers();
@@ -198,7 +203,7 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
   ///      E_{out}] \begin{bmatrix} E_{in} P \\ R_{out} \end{bmatrix}, \f]
   /// so both sides cost two projections of V_0 and one rank-(r_in + r_out) update, instead of a
   /// rank-r_in and a rank-r_out update that each read and write all of V.
-  void apply(const Exec& exec, double) override {
+  void precondition(const Exec& exec, double, const impl::ApplyPart&) override {
     if (!this->has_statistics() || (s_.rank_in == 0 && s_.rank_out == 0)) return;  // the identity, exactly
     const SMatrix& x = gradient_.x();
     const SMatrix& out = gradient_.v();
@@ -249,15 +254,6 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
       for (const auto& r : p->rows) m.workspace_bytes += r.span() * sizeof(Scalar);
     return m;
   }
-  MemoryReport planned_memory(bool, bool skipped, bool) const override {
-    MemoryReport m{this->name(), this->kind(), 0, 0, 0};
-    if (skipped) return m;
-    const std::size_t a = std::size_t(na_), g = std::size_t(ng_), ri = std::size_t(s_.rank_in), ro = std::size_t(s_.rank_out);
-    m.factor_bytes = m.decomposition_bytes = this->checkpoint_bytes();  // the estimates, and their copies
-    m.workspace_bytes = gradient_.planned_bytes() + (ri * g + ri * ro + (a + g) * (ri + ro) + ri + ro) * sizeof(Scalar);
-    return m;
-  }
-
   // ---- read access, for tests and diagnostics
   /// The input-side (0) or output-side (1) estimate, as updated by the last statistics update.
   const Fisher& estimate(int side) const { return side == 0 ? est_in_ : est_out_; }

@@ -57,6 +57,8 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
     d.cols = 1;
     d.bias = true;
     d.checkpoint = {{std::size_t(3 * layer.channels()), sizeof(F)}};
+    d.averaged = {{index_t(3 * layer.channels()), false, false}};
+    d.memory.registered = 3 * std::size_t(layer.channels()) * sizeof(double);  // the sums, from registration on
     return d;
   }
 
@@ -140,12 +142,8 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
         KOKKOS_LAMBDA(int c, int k) { f(c, k) = F(old_w * double(f(c, k)) + new_w * sums(c, k)); });
     this->set_statistics(true);
   }
-  std::vector<impl::FactorBuffer> averaged_state() override {
-    return {{impl::buffer_of(f_), index_t(3 * c_), false, false}};
-  }
-
   /// Per channel c, column c of X and V is (dgamma, dbeta).
-  void apply(const Exec& exec, double damping) override {
+  void precondition(const Exec& exec, double damping, const impl::ApplyPart&) override {
     auto f = f_;
     auto x = gradient_.x();
     auto out = gradient_.v();
@@ -168,15 +166,6 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
     MemoryReport r{this->name(), this->kind(), f_.size() * sizeof(F), 0, gradient_.bytes()};
     r.workspace_bytes += sums_.size() * sizeof(double);
     for (const auto& v : inputs_) r.workspace_bytes += v.size() * sizeof(Scalar);
-    return r;
-  }
-
-  MemoryReport planned_memory(bool, bool skipped, bool) const override {
-    const std::size_t c = std::size_t(c_);
-    MemoryReport r{this->name(), this->kind(), 0, 0, 3 * c * sizeof(double)};  // sums: at registration
-    if (skipped) return r;
-    r.factor_bytes = this->checkpoint_bytes();  // the 3 Fisher values per channel
-    r.workspace_bytes += gradient_.planned_bytes();  // (dgamma, dbeta) in and out
     return r;
   }
 
