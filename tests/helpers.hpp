@@ -14,9 +14,10 @@ namespace kfac_test {
 
 using Host = Kokkos::DefaultHostExecutionSpace;
 using Pre = kfac::Preconditioner<double, Host>;
-/// The concrete layer behind a registration with the given policies, for `layer_as`.
+/// The concrete layer behind a registration with the given policies, for `layer_as`
+/// (KroneckerBlock, or DiagonalBlock for Diagonal factors: the method's block_type).
 template <class LayerType, class Factor = kfac::Symmetric, class Inverse = kfac::Eigendecomposition<>>
-using KLayer = kfac::KroneckerBlock<LayerType, Factor, Inverse, kfac::DoublePrecision, double, Host>;
+using KLayer = typename kfac::KFAC<Factor, Inverse, kfac::DoublePrecision>::template block_type<LayerType, double, Host>;
 template <class Factor = kfac::UnitWise>
 using BnLayer = kfac::BatchNormBlock<Factor, kfac::DoublePrecision, double, Host>;
 

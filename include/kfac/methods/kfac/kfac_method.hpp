@@ -5,10 +5,12 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "kfac/core/precision.hpp"
 #include "kfac/core/traits.hpp"
+#include "kfac/methods/diagonal/diagonal_block.hpp"
 #include "kfac/methods/kfac/cholesky.hpp"
 #include "kfac/methods/kfac/eigendecomposition.hpp"
 #include "kfac/methods/kfac/factors.hpp"
@@ -75,16 +77,21 @@ struct KFAC : impl::LayerOverrides<KFAC<FactorPolicy, Inversion, Prec>> {
   template <class LayerType>
   static constexpr bool accepts = LayerType::is_kronecker;
 
-  /// The typed per-layer state, once the layer, Scalar and Exec are known.
+  /// The typed per-layer state, once the layer, Scalar and Exec are known: KroneckerBlock, or
+  /// DiagonalBlock (a closed form) for Diagonal factors.
   template <class LayerType, class Scalar, class Exec>
-  using block_type = KroneckerBlock<LayerType, FactorPolicy, Inversion,
-                                    impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>;
+  using block_type = std::conditional_t<
+      impl::factor_is_diagonal<FactorPolicy>::value,
+      DiagonalBlock<LayerType, impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>,
+      KroneckerBlock<LayerType, FactorPolicy, Inversion, impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>>;
 
   template <class Scalar, class Exec, class LayerType>
   std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
                                                        const LayerType& layer) const {
-    if constexpr (well_formed) return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer, inversion);
-    else return nullptr;  // unreachable: a static_assert above failed
+    if constexpr (!well_formed) return nullptr;  // unreachable: a static_assert above failed
+    else if constexpr (impl::factor_is_diagonal<FactorPolicy>::value)
+      return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer);
+    else return std::make_unique<block_type<LayerType, Scalar, Exec>>(layer_name, layer, inversion);
   }
 };
 
