@@ -1,4 +1,4 @@
-// The linear-algebra entries of impl/blas.hpp: the team-parallel portable Cholesky inverse bit
+// The linear-algebra entries of linalg/: the team-parallel portable Cholesky inverse bit
 // for bit against the former one-thread algorithm (written out below as host loops) and within
 // 1e-12 of a dense double inverse (Eigen); the default execution space against Kokkos::Serial;
 // LAPACK against portable; shape checks at every entry, leaving the outputs unchanged; the
@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
-#include <kfac/impl/blas.hpp>
+#include <kfac/linalg/linalg.hpp>
 #include <string>
 #include <vector>
 

@@ -55,6 +55,16 @@ auto comm_scope(const C& c, const Parts&... parts) {
   }
 }
 
+/// The agreement's test of "every rank passed the same value": each rank contributes the pair
+/// (v, ~v) to an allreduce_max; all passed the same v exactly when max(v) == ~max(~v). Writes
+/// the pair at `pair` (two longs of the allreduce's buffer).
+inline void put_same_pair(long* pair, long v) {
+  pair[0] = v;
+  pair[1] = ~v;
+}
+/// After the allreduce_max: whether every rank passed the same value in this pair.
+inline bool same_on_every_rank(const long* pair) { return pair[0] == ~pair[1]; }
+
 /// Hash of the hyperparameter values in force at this step: the global ones and every
 /// layer's (its overrides), so that ranks given different lr, damping, kl_clip, factor_decay
 /// or intervals refuse the step together instead of drifting apart.
@@ -91,17 +101,11 @@ bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int wor
     if (mine.error) throw *mine.error;
     return mine.poisoned;
   }
-  // Max of h and of ~h: all ranks passed the same h exactly when max(h) == ~max(~h).
-  long v[10] = {mine.error ? long(world - rank) : 0L,
-                mine.poisoned ? 1L : 0L,
-                long(mine.registration),
-                long(~mine.registration),
-                long(mine.sequence),
-                long(~mine.sequence),
-                long(mine.settings),
-                long(~mine.settings),
-                mine.client,
-                ~mine.client};
+  long v[10] = {mine.error ? long(world - rank) : 0L, mine.poisoned ? 1L : 0L};
+  put_same_pair(v + 2, long(mine.registration));
+  put_same_pair(v + 4, long(mine.sequence));
+  put_same_pair(v + 6, long(mine.settings));
+  put_same_pair(v + 8, mine.client);
   dist.agree_max(v, 10);
   if (v[0] > 0) {  // the lowest failing rank tells everyone what it saw
     const int root = world - int(v[0]);
@@ -109,18 +113,18 @@ bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int wor
     const std::string what = dist.share_message(mine.error && rank == root ? bare_message(*mine.error) : "", root);
     throw Error(layer, what + " (on rank " + std::to_string(root) + "; the step was refused on every rank)");
   }
-  if (v[8] != ~v[9])
+  if (!same_on_every_rank(v + 8))
     throw Error("", "two preconditioners that share one communicator were stepped in different orders on "
                     "different ranks (this rank stepped its preconditioner number " + std::to_string(mine.client) +
                     " of this communicator); the step was refused on every rank");
-  if (v[2] != ~v[3])
+  if (!same_on_every_rank(v + 2))
     throw Error("", "ranks registered different layers, shapes, methods or distribution options; "
                     "the step was refused on every rank");
-  if (v[4] != ~v[5])
+  if (!same_on_every_rank(v + 4))
     throw Error("", "ranks disagree on this step's schedule or communication options (step count, "
                     "statistics/decomposition steps, bucket_bytes, comm_precision, nonfinite policy); "
                     "the step was refused on every rank");
-  if (v[6] != ~v[7])
+  if (!same_on_every_rank(v + 6))
     throw Error("", "ranks disagree on this step's hyperparameter values (lr, damping, factor_decay, kl_clip, "
                     "update intervals, or a layer's override of them); the step was refused on every rank");
   return v[1] > 0;

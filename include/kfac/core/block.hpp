@@ -11,7 +11,7 @@
 #include "kfac/core/gradient_workspace.hpp"
 #include "kfac/core/observations.hpp"
 #include "kfac/error.hpp"
-#include "kfac/impl/blas.hpp"
+#include "kfac/linalg/common.hpp"
 #include "kfac/impl/tensor.hpp"
 
 namespace kfac {

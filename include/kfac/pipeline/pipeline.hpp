@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "kfac/core/agreement.hpp"
 #include "kfac/core/in_flight.hpp"
 #include "kfac/distributed/mpi_comm.hpp"
 #include "kfac/error.hpp"
@@ -224,9 +225,10 @@ class Pipeline {
   }
 
   void agree_on_batches(long batches) {
-    long v[2] = {batches, -batches};
+    long v[2];
+    impl::put_same_pair(v, batches);
     comm_.allreduce_max(v, 2, group_);
-    if (v[0] != -v[1] || batches < 0)
+    if (!impl::same_on_every_rank(v) || batches < 0)
       throw Error("", "pipeline: the stages passed different (or negative) batch counts to train(); nothing was run");
   }
 

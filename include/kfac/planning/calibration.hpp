@@ -13,7 +13,10 @@
 
 #include "kfac/distributed/comm_precision.hpp"
 #include "kfac/error.hpp"
-#include "kfac/impl/blas.hpp"
+#include "kfac/linalg/eigh.hpp"
+#include "kfac/linalg/gemm.hpp"
+#include "kfac/linalg/spd_inverse.hpp"
+#include "kfac/linalg/symmetric.hpp"
 #include "kfac/planning/cost_model.hpp"
 
 namespace kfac {

@@ -51,12 +51,7 @@ class DiagonalBlock final : public impl::KroneckerStatistics<LayerType, Diagonal
   /// 0 before the first factor update; no decomposition; workspace_bytes 2 g a
   /// sizeof(Decomposition) once a gradient was loaded, plus the pending diagonals (a + g) of
   /// the observations from the layer's first observation on.
-  MemoryReport memory() const override {
-    MemoryReport r{this->name(), this->kind(), 0, 0, 0};
-    r.factor_bytes = (this->a_.size() + this->g_.size()) * sizeof(F);
-    r.workspace_bytes = this->gradient_.bytes() + (this->a_pending_.size() + this->g_pending_.size()) * sizeof(C);
-    return r;
-  }
+  MemoryReport memory() const override { return this->statistics_memory(); }
 };
 
 }  // namespace kfac

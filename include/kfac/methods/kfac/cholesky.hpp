@@ -14,8 +14,9 @@
 #include <cmath>
 #include <utility>
 
-#include "kfac/impl/blas.hpp"
 #include "kfac/core/block.hpp"
+#include "kfac/linalg/gemm.hpp"
+#include "kfac/linalg/spd_inverse.hpp"
 
 namespace kfac {
 

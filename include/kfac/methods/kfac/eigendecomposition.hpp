@@ -12,8 +12,10 @@
 
 #include <utility>
 
-#include "kfac/impl/blas.hpp"
 #include "kfac/core/block.hpp"
+#include "kfac/linalg/eigh.hpp"
+#include "kfac/linalg/gemm.hpp"
+#include "kfac/linalg/symmetric.hpp"
 
 namespace kfac {
 namespace impl {

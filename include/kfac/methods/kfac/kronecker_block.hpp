@@ -142,7 +142,8 @@ class KroneckerBlock final : public impl::KroneckerStatistics<LayerType, FactorP
     if constexpr (impl::host_thread_safe<InversePolicy>::value)
       d.decomposes_off_thread = std::is_same<Exec, Kokkos::Serial>::value &&
                                 std::is_same<Kokkos::DefaultHostExecutionSpace, Kokkos::Serial>::value &&
-                                impl::use_lapack_v<Exec, typename InversePolicy::backend_type>;
+                                impl::vendor_path_v<impl::op::Eigh, Exec, D, typename InversePolicy::backend_type> &&
+                                impl::vendor_path_v<impl::op::SpdInverse, Exec, D, typename InversePolicy::backend_type>;
 #endif
     d.split_passes = impl::split_passes_of<InversePolicy>::value;
     d.plan.apply = inversion.apply_work(ng, na);
@@ -202,13 +203,11 @@ class KroneckerBlock final : public impl::KroneckerStatistics<LayerType, FactorP
   /// factors) whatever the batch and their number. They are kept between steps, also on steps
   /// without a factor update, so that no step allocates them again.
   MemoryReport memory() const override {
-    MemoryReport r{this->name(), this->kind(), 0, 0, 0};
-    r.factor_bytes = (this->a_.size() + this->g_.size()) * sizeof(typename statistics::F);
+    MemoryReport r = this->statistics_memory();
     for (const auto* unit : {&unit_a_, &unit_g_})
       if (unit->get()) r.decomposition_bytes += unit->get()->bytes();
     r.decomposition_bytes += reciprocal_.size() * sizeof(D);
-    r.workspace_bytes = this->gradient_.bytes() + work_.size() * sizeof(D);
-    r.workspace_bytes += (this->a_pending_.size() + this->g_pending_.size()) * sizeof(C);
+    r.workspace_bytes += work_.size() * sizeof(D);
     return r;
   }
 

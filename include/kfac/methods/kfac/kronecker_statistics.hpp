@@ -13,6 +13,7 @@
 
 #include "kfac/core/block.hpp"
 #include "kfac/core/precision.hpp"
+#include "kfac/linalg/syrk.hpp"
 #include "kfac/methods/kfac/factors.hpp"
 
 namespace kfac {
@@ -251,6 +252,14 @@ class KroneckerStatistics : public Block<Scalar, Exec> {
   }
 
  protected:
+  /// The memory of what this class holds: the running factors (factor_bytes), the gradient
+  /// and the pending Gram matrices (workspace_bytes). A block adds its units and buffers.
+  MemoryReport statistics_memory() const {
+    MemoryReport r{this->name(), this->kind(), 0, 0, 0};
+    r.factor_bytes = (a_.size() + g_.size()) * sizeof(F);
+    r.workspace_bytes = this->gradient_.bytes() + (a_pending_.size() + g_pending_.size()) * sizeof(C);
+    return r;
+  }
   void allocate_factor_storage() {
     if (a_.extent(0) == 0) {
       a_ = FMatrix("kfac::layer::A", na_, diagonal ? 1 : na_);
@@ -289,11 +298,7 @@ class KroneckerStatistics : public Block<Scalar, Exec> {
     // The host BLAS's syrk, and GEMM (KokkosBlas, cuBLAS) alike, never read C when beta = 0,
     // and only the upper triangle is read afterwards; the portable path is still zeroed once,
     // at allocation, so that no uninitialised value is ever read by a kernel.
-#if defined(KFAC_HAVE_LAPACK)
-    constexpr bool overwritten = host_accessible_v<Exec> || diagonal;
-#else
-    constexpr bool overwritten = diagonal;
-#endif
+    constexpr bool overwritten = syrk_overwrites_v<Exec, C> || diagonal;
     if (pending.extent(0) == 0) {
       if constexpr (overwritten)
         pending = PMatrix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::pending"), n, diagonal ? 1 : n);

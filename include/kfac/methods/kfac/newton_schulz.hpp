@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "kfac/linalg/newton_schulz.hpp"
 #include "kfac/methods/kfac/cholesky.hpp"
 
 namespace kfac {

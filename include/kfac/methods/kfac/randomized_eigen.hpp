@@ -47,7 +47,10 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
-#include "kfac/impl/blas.hpp"
+#include "kfac/linalg/eigh.hpp"
+#include "kfac/linalg/gemm.hpp"
+#include "kfac/linalg/symmetric.hpp"
+#include "kfac/linalg/syrk.hpp"
 #include "kfac/methods/kfac/eigendecomposition.hpp"
 
 namespace kfac {

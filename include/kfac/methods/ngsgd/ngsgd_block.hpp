@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
+#include "kfac/linalg/gemm.hpp"
+#include "kfac/linalg/squared_norm.hpp"
 #include "kfac/methods/ngsgd/online_fisher.hpp"
 
 namespace kfac {
@@ -230,7 +232,7 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     }
     impl::ngsgd::stack_factors(exec, fin.basis(), p_in_, e_in_, fout.basis(), left_, right_);
     impl::gemm(exec, "N", "N", Scalar(-1), left_, right_, Scalar(1), out);
-    const double before = impl::ngsgd::squared_norm(exec, x), after = impl::ngsgd::squared_norm(exec, out);
+    const double before = impl::squared_norm(exec, x), after = impl::squared_norm(exec, out);
     last_gamma_ = after > 0 ? std::sqrt(before / after) : 1.0;
     auto v = out;
     const Scalar g = Scalar(last_gamma_);
@@ -272,7 +274,7 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
       rows.push_back(r);
       row_count += long(r.extent(0));
       norm += n;
-      squares += impl::ngsgd::squared_norm(exec, r);
+      squares += impl::squared_norm(exec, r);
       samples += double(batch);
     }
   };

@@ -35,7 +35,9 @@
 
 #include "kfac/core/block.hpp"
 #include "kfac/error.hpp"
-#include "kfac/impl/blas.hpp"
+#include "kfac/linalg/eigh.hpp"
+#include "kfac/linalg/gemm.hpp"
+#include "kfac/linalg/squared_norm.hpp"
 
 namespace kfac {
 namespace impl {
@@ -99,23 +101,6 @@ void scale_by(const Exec& exec, const M& m, const Vector<T, Exec>& e, bool rows)
   Kokkos::parallel_for(
       "kfac::ngsgd::scale", ColumnMajorRange<Exec>(exec, {0, 0}, {int(m.extent(0)), int(m.extent(1))}),
       KOKKOS_LAMBDA(int i, int j) { m(i, j) *= e(rows ? i : j); });
-}
-
-/// \f$\|m\|_F^2\f$ of a contiguous view (any layout), accumulated in double: host BLAS (dsdot / ddot)
-/// where there is one (this is on every step's path: the portable reduction took three times
-/// as long on the host), impl::sum_of_squares elsewhere.
-template <class Exec, class M>
-double squared_norm(const Exec& exec, const M& m) {
-  using T = typename M::non_const_value_type;
-#if defined(KFAC_HAVE_LAPACK)
-  if constexpr (host_accessible_v<Exec> && (std::is_same<T, float>::value || std::is_same<T, double>::value)) {
-    exec.fence();
-    const int n = int(m.span());
-    if constexpr (std::is_same<T, float>::value) return cblas_dsdot(n, m.data(), 1, m.data(), 1);
-    else return cblas_ddot(n, m.data(), 1, m.data(), 1);
-  }
-#endif
-  return sum_of_squares(exec, m);
 }
 
 /// The two sides of the Woodbury update of NGSGDBlock::apply: left(:, k) = r_in(k, :)^T for

@@ -1,65 +1,18 @@
 #pragma once
-// cuSOLVER paths of the symmetric eigensolver (syevd) and of the SPD inverse (potrf + potri),
-// compiled only when Kokkos has CUDA. Not run on the CPU-only development machine (compiled and
-// linked only); see docs/backends.md.
+// The CUDA vendor path: cuSOLVER's syevd and potrf + potri serve Kokkos::Cuda in float and
+// double, when Kokkos has CUDA (KFAC_HAVE_CUSOLVER, config.hpp; KFAC_DISABLE_CUSOLVER turns it
+// off). Included by linalg/vendor.hpp. Compiled and linked on the CPU-only development machine,
+// not run there (docs/backends.md).
 #include <Kokkos_Core.hpp>
 #include <cusolverDn.h>
-#include <map>
-#include <mutex>
 #include <string>
 #include <type_traits>
 
-#include "kfac/error.hpp"
+#include "kfac/linalg/common.hpp"
+#include "kfac/linalg/cusolver/handles.hpp"
 
 namespace kfac {
 namespace impl {
-
-/// \brief cuSOLVER handles, one per execution-space instance (keyed by its stream, and bound
-/// to it), created on first use and all destroyed by a Kokkos finalize hook, so none outlives
-/// the CUDA context Kokkos tears down.
-class CusolverHandles {
- public:
-  static cusolverDnHandle_t get(const Kokkos::Cuda& exec) {
-    CusolverHandles& self = instance();
-    const std::lock_guard<std::mutex> lock(self.mutex_);
-    const cudaStream_t stream = exec.cuda_stream();
-    const auto found = self.handles_.find(stream);
-    if (found != self.handles_.end()) return found->second;
-    cusolverDnHandle_t h = nullptr;
-    if (cusolverDnCreate(&h) != CUSOLVER_STATUS_SUCCESS) throw Error("", "linalg: cusolverDnCreate failed");
-    if (cusolverDnSetStream(h, stream) != CUSOLVER_STATUS_SUCCESS) {
-      cusolverDnDestroy(h);
-      throw Error("", "linalg: cusolverDnSetStream failed");
-    }
-    if (!self.hooked_) {
-      Kokkos::push_finalize_hook([] { instance().destroy_all(); });
-      self.hooked_ = true;
-    }
-    self.handles_.emplace(stream, h);
-    return h;
-  }
-  /// Handles alive now (for tests and diagnostics).
-  static std::size_t count() {
-    CusolverHandles& self = instance();
-    const std::lock_guard<std::mutex> lock(self.mutex_);
-    return self.handles_.size();
-  }
-
- private:
-  static CusolverHandles& instance() {
-    static CusolverHandles registry;
-    return registry;
-  }
-  void destroy_all() {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& kv : handles_) cusolverDnDestroy(kv.second);
-    handles_.clear();
-    hooked_ = false;
-  }
-  std::mutex mutex_;
-  std::map<cudaStream_t, cusolverDnHandle_t> handles_;
-  bool hooked_ = false;
-};
 
 inline cusolverStatus_t cusolver_syevd_buffer(cusolverDnHandle_t h, int n, double* a, int ld, double* w, int* lwork) {
   return cusolverDnDsyevd_bufferSize(h, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_UPPER, n, a, ld, w, lwork);
@@ -134,9 +87,7 @@ void cusolver_spd_inverse_upper(const Kokkos::Cuda& exec, const A& a, Ws& ws) {
   if (cusolver_pot(h, false, n, a.data(), ld, work, lwork, ws.info.data()) != CUSOLVER_STATUS_SUCCESS)
     throw Error("", "linalg: cusolverDn potrf failed to launch");
   int info = cusolver_info(exec, ws.info);
-  if (info > 0)
-    throw Error("", "Cholesky factorization broke down at column " + std::to_string(info) +
-                        ": factor + damping is not positive definite");
+  if (info > 0) throw_not_positive_definite(info);
   if (info == 0) {
     if (cusolver_pot(h, true, n, a.data(), ld, work, lwork, ws.info.data()) != CUSOLVER_STATUS_SUCCESS)
       throw Error("", "linalg: cusolverDn potri failed to launch");
@@ -144,6 +95,27 @@ void cusolver_spd_inverse_upper(const Kokkos::Cuda& exec, const A& a, Ws& ws) {
   }
   if (info != 0) throw Error("", "linalg: cusolverDn potrf/potri failed with info = " + std::to_string(info));
 }
+
+/// Kokkos::Cuda, in float and double.
+template <class Exec, class T>
+using if_cusolver_t = std::enable_if_t<std::is_same<Exec, Kokkos::Cuda>::value &&
+                                       (std::is_same<T, float>::value || std::is_same<T, double>::value)>;
+
+template <class Exec, class T>
+struct Vendor<op::Eigh, Exec, T, if_cusolver_t<Exec, T>> {
+  static constexpr bool available = true;
+  static void run(const Exec& exec, const Matrix<T, Exec>& q, const Vector<T, Exec>& w, SolverWorkspace<T, Exec>& ws) {
+    cusolver_eigh(exec, q, w, ws);
+  }
+};
+
+template <class Exec, class T>
+struct Vendor<op::SpdInverse, Exec, T, if_cusolver_t<Exec, T>> {
+  static constexpr bool available = true;
+  static void run(const Exec& exec, const Matrix<T, Exec>& a, SolverWorkspace<T, Exec>& ws) {
+    cusolver_spd_inverse_upper(exec, a, ws);
+  }
+};
 
 }  // namespace impl
 }  // namespace kfac
