@@ -2,11 +2,13 @@
 // for bit against the former one-thread algorithm (written out below as host loops) and within
 // 1e-12 of a dense double inverse (Eigen); the default execution space against Kokkos::Serial;
 // LAPACK against portable; shape checks at every entry, leaving the outputs unchanged; the
-// workspace kept between calls.
+// workspace kept between calls; and a vendor path added from this file alone (a toy eigh for
+// Kokkos::Serial in float), which the entry takes under AutoBackend and not under PortableBackend.
 #include <Eigen/Dense>
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <limits>
 #include <kfac/linalg/linalg.hpp>
 #include <string>
 #include <vector>
@@ -18,6 +20,38 @@ using kfac::impl::Matrix;
 using kfac::impl::SolverWorkspace;
 using Serial = Kokkos::Serial;
 using Exec = Kokkos::DefaultExecutionSpace;
+
+#if defined(KOKKOS_ENABLE_SERIAL)
+// A vendor path from outside include/: what a new backend's folder does, here for eigh on
+// Kokkos::Serial in float (an explicit specialization, chosen over LAPACK's partial one). It
+// reads only the upper triangle of q, as op::Eigh's contract says, solves in double with Eigen
+// and counts its calls.
+namespace toy_vendor {
+int calls = 0;
+}
+namespace kfac {
+namespace impl {
+template <>
+struct Vendor<op::Eigh, Kokkos::Serial, float> {
+  static constexpr bool available = true;
+  static void run(const Kokkos::Serial& exec, const Matrix<float, Kokkos::Serial>& q,
+                  const Vector<float, Kokkos::Serial>& w, SolverWorkspace<float, Kokkos::Serial>&) {
+    exec.fence();
+    ++toy_vendor::calls;
+    const int n = int(q.extent(0));
+    Eigen::MatrixXd upper(n, n);
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i <= j; ++i) upper(i, j) = upper(j, i) = double(q(i, j));
+    const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(upper);  // ascending, as LAPACK
+    for (int j = 0; j < n; ++j) {
+      w(j) = float(solver.eigenvalues()(j));
+      for (int i = 0; i < n; ++i) q(i, j) = float(solver.eigenvectors()(i, j));
+    }
+  }
+};
+}  // namespace impl
+}  // namespace kfac
+#endif
 
 namespace {
 
@@ -242,3 +276,41 @@ TEST_CASE("linear-algebra entries check shapes and leave their outputs unchanged
   CHECK(error_of([&] { kfac::impl::gemm(Exec{}, "N", "T", 1.0, wide, wide, 0.0, out); }).empty());
   CHECK(host_values(out)[0] == 0.0);  // wide is zero
 }
+
+#if defined(KOKKOS_ENABLE_SERIAL)
+TEST_CASE("a vendor path added outside include/ serves eigh under AutoBackend only", "[linalg][vendor]") {
+  static_assert(kfac::impl::vendor_path_v<kfac::impl::op::Eigh, Serial, float>, "the toy vendor is visible");
+  static_assert(!kfac::impl::vendor_path_v<kfac::impl::op::Eigh, Serial, float, kfac::PortableBackend>,
+                "PortableBackend never takes a vendor path");
+  Rng rng(5);
+  const int n = 9;
+  const MatrixXd a = spd(n, rng);
+  // The lower triangle is NaN: the entry hands the vendor the upper triangle only.
+  MatrixXd poisoned = a;
+  for (int j = 0; j < n; ++j)
+    for (int i = j + 1; i < n; ++i) poisoned(i, j) = std::numeric_limits<double>::quiet_NaN();
+  const Matrix<float, Serial> f = to_view<float, Serial>(poisoned);
+  Matrix<float, Serial> q("q", n, n), qp("qp", n, n);
+  kfac::impl::Vector<float, Serial> w("w", n), wp("wp", n);
+  toy_vendor::calls = 0;
+  kfac::impl::eigh<kfac::AutoBackend>(Serial{}, f, q, w);
+  CHECK(toy_vendor::calls == 1);
+  kfac::impl::eigh<kfac::PortableBackend>(Serial{}, f, qp, wp);
+  CHECK(toy_vendor::calls == 1);
+  // Both decompose a: Q diag(w) Q^T within float round-off of it, eigenvalues ascending and equal.
+  const Eigen::SelfAdjointEigenSolver<MatrixXd> reference(a);
+  for (const auto* pair : {&q, &qp}) {
+    const auto& qv = *pair;
+    const auto& wv = pair == &q ? w : wp;
+    MatrixXd qd(n, n), rebuilt;
+    Eigen::VectorXd wd(n);
+    for (int j = 0; j < n; ++j) {
+      wd(j) = double(wv(j));
+      for (int i = 0; i < n; ++i) qd(i, j) = double(qv(i, j));
+    }
+    rebuilt = qd * wd.asDiagonal() * qd.transpose();
+    CHECK((rebuilt - a).norm() / a.norm() < 1e-5);
+    CHECK((wd - reference.eigenvalues()).cwiseAbs().maxCoeff() / reference.eigenvalues().maxCoeff() < 1e-5);
+  }
+}
+#endif
