@@ -46,6 +46,7 @@ struct Args {
   int test_subset = 0;
   int eval_every = 0;  ///< 0: 4 times per epoch
   double target_acc = 0.88;
+  bool stop_at_target = false;  ///< end a run at its first evaluation at or above target_acc
   bool append = false;
   bool help = false;  ///< -h or --help: print the usage and exit 0 (MPI finalised as usual)
   std::vector<std::uint64_t> seeds{1, 2, 3};
@@ -114,7 +115,9 @@ void usage() {
       "  --train-subset N --test-subset N   use only the first N samples\n"
       "  --eval-every N                  evaluate every N steps and at epoch ends (default: mlp 20,\n"
       "                                  cnn 0 = 4 times per epoch)\n"
-      "  --target-acc X                  accuracy for the time-to-target columns (default 0.88)\n",
+      "  --target-acc X                  accuracy for the time-to-target columns (default 0.88)\n"
+      "  --stop-at-target 0|1            1: end each run at its first evaluation at or above --target-acc\n"
+      "                                  (its time and epochs to target are those of the full run; default 0)\n",
       nn::default_lr(nn::OptimizerKind::sgd, "mlp"), nn::default_lr(nn::OptimizerKind::adam, "mlp"),
       nn::default_lr(nn::OptimizerKind::kfac, "mlp"), nn::default_lr(nn::OptimizerKind::sgd, "cnn"),
       nn::default_lr(nn::OptimizerKind::adam, "cnn"), nn::default_lr(nn::OptimizerKind::kfac, "cnn"),
@@ -230,6 +233,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--test-subset") num(a.test_subset);
     else if (key == "--eval-every") num(a.eval_every);
     else if (key == "--target-acc") num(a.target_acc);
+    else if (key == "--stop-at-target") num(a.stop_at_target);
     else throw std::invalid_argument("unknown option " + key + " (see --help)");
   }
   if (a.epochs < 1 || a.train.batch < 1) throw std::invalid_argument("--epochs and --batch must be >= 1");
@@ -383,7 +387,8 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
   };
   evaluate(0);
 
-  for (int epoch = 1; epoch <= args.epochs && !run.stopped; ++epoch) {
+  bool at_target = false;  // --stop-at-target: ends the run, not a failure
+  for (int epoch = 1; epoch <= args.epochs && !run.stopped && !at_target; ++epoch) {
     trainer.start_epoch(epoch - 1);
     nn::BatchStats epoch_stats;
     for (int i = 0; i < steps; ++i) {
@@ -409,7 +414,18 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
       epoch_stats += b;
       loss_since_eval += b.mean_loss();
       ++steps_since_eval;
-      if (eval_due(step, i)) evaluate(epoch);
+      if (eval_due(step, i)) {
+        evaluate(epoch);
+        if (args.stop_at_target) {  // rank 0 evaluated: every rank takes its answer
+          std::vector<double> reached{lead && run.evals.back().test_acc >= args.target_acc ? 1.0 : 0.0};
+          world.sum(reached);
+          at_target = reached[0] > 0;
+        }
+      }
+      if (at_target) {
+        if (lead) progress.finish("[" + name + "] reached the target at step " + std::to_string(step) + " (--stop-at-target)");
+        break;
+      }
       if (!lead) continue;
 
       const double wall = seconds_since(start);
