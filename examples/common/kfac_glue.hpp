@@ -107,6 +107,7 @@ struct RecipeSettings {
 /// | string | inverse | "eigen" (kfac::Eigendecomposition), "cholesky" (damped inverses) or "randomized" (kfac::RandomizedEigen: top-`rank` eigenpairs, the rest as their mean) | eigen |
 /// | int | rank | kfac::RandomizedEigen::with_rank (inverse "randomized"): eigenpairs kept per factor | 32 |
 /// | bool | factored_damping | kfac::RandomizedEigen::with_factored_damping (inverse "randomized"): each factor damped by √damping, the "cholesky" form | false |
+/// | string | factor_precision | "float" (kfac::Precision<float>) or "half" (kfac::HalfPrecision: binary16 factors, float decompositions, Osawa et al.) for the Dense/Conv2d factors | float |
 /// | bool | pi_damping | Cholesky's π-damping (kfac::Cholesky::with_pi_damping); off: π = 1, the form the sweeps tuned | false |
 /// | long | decomposition_delay | kfac::Options::decomposition_delay: decompositions used d steps after they fall due, computed meanwhile | 0 |
 /// | double | eigen_refresh | kfac::Eigendecomposition::with_refresh_tolerance (inverse "eigen"): eigenvalues refreshed in the kept eigenbasis while within this relative distance of the factor | 0 |
@@ -127,6 +128,7 @@ struct KfacSettings {
   int rank = 32;
   bool factored_damping = false;
   bool pi_damping = false;
+  std::string factor_precision = "float";
   long decomposition_delay = 0;
   double eigen_refresh = 0;
   /// KAISA's gradient-worker fraction under MPI (kfac::Options::with_grad_worker_fraction):
@@ -221,10 +223,10 @@ inline kfac::Conv2d kfac_layer_of(const Conv2d& layer) {
 }
 
 /// \brief What register_layer<L, Symmetric, Cholesky<>> registers for the examples' float
-/// preconditioners, with KfacSettings::pi_damping.
-inline auto cholesky_method(bool pi_damping) {
-  return kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>, kfac::Precision<float>>(
-      kfac::Cholesky<>{}.with_pi_damping(pi_damping));
+/// preconditioners, with KfacSettings::pi_damping (factors in `Prec`).
+template <class Prec = kfac::Precision<float>>
+auto cholesky_method(bool pi_damping) {
+  return kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>, Prec>(kfac::Cholesky<>{}.with_pi_damping(pi_damping));
 }
 
 class KfacSgd {
@@ -235,6 +237,8 @@ class KfacSgd {
     if (s.inverse != "eigen" && s.inverse != "cholesky" && s.inverse != "randomized")
       throw std::invalid_argument("unknown K-FAC inverse '" + s.inverse + "' (expected eigen, cholesky or randomized)");
     if (s.rank < 1) throw std::invalid_argument("K-FAC rank " + std::to_string(s.rank) + ": expected >= 1");
+    if (s.factor_precision != "float" && s.factor_precision != "half")
+      throw std::invalid_argument("unknown K-FAC factor precision '" + s.factor_precision + "' (expected float or half)");
     if (s.recipe.name != "none" && s.recipe.name != "large-batch")
       throw std::invalid_argument("unknown recipe '" + s.recipe.name + "' (expected none or large-batch)");
     kfac::Options options = kfac_options(s, world.size());
@@ -415,17 +419,24 @@ class KfacSgd {
   /// registration serves both).
   template <class Pre>
   void register_layers(Network& net, Pre& pre) const {
-    auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
+    auto kronecker_in = [&](auto precision, const std::string& name, const auto& kfac_layer) {
       using K = std::decay_t<decltype(kfac_layer)>;
+      using Prec = decltype(precision);
       const KfacSettings& s = settings_;
-      if (s.inverse == "cholesky") pre.register_layer(name, kfac_layer, cholesky_method(s.pi_damping));
+      if (s.inverse == "cholesky") pre.register_layer(name, kfac_layer, cholesky_method<Prec>(s.pi_damping));
       else if (s.inverse == "randomized")
-        pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::RandomizedEigen<>, kfac::Precision<float>>(
+        pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::RandomizedEigen<>, Prec>(
                                                  kfac::RandomizedEigen<>{}.with_rank(s.rank).with_factored_damping(s.factored_damping)));
       else if (s.eigen_refresh > 0)
-        pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>, kfac::Precision<float>>(
+        pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>, Prec>(
                                                  kfac::Eigendecomposition<>{}.with_refresh_tolerance(s.eigen_refresh)));
-      else pre.register_layer(name, kfac_layer, typename kfac::default_method<K>::type{});
+      else if constexpr (std::is_same_v<Prec, kfac::Precision<float>>)
+        pre.register_layer(name, kfac_layer, typename kfac::default_method<K>::type{});
+      else pre.register_layer(name, kfac_layer, kfac::KFAC<kfac::Symmetric, kfac::Eigendecomposition<>, Prec>{});
+    };
+    auto kronecker = [&](const std::string& name, const auto& kfac_layer) {
+      if (settings_.factor_precision == "half") kronecker_in(kfac::HalfPrecision{}, name, kfac_layer);
+      else kronecker_in(kfac::Precision<float>{}, name, kfac_layer);
     };
     net.for_each_layer([&](const std::string& name, const auto& layer) {
       using L = std::decay_t<decltype(layer)>;

@@ -75,6 +75,8 @@ void usage() {
       "  --rank R                        eigenpairs kept per factor by --inverse randomized (default 32)\n"
       "  --factored-damping 0|1          --inverse randomized: damp each factor by sqrt(damping), the cholesky form\n"
       "                                  (mlp 1, cnn 0: the form each model's damping was tuned with)\n"
+      "  --factor-precision float|half   K-FAC factors of Dense/Conv2d layers in float or binary16 (kfac::HalfPrecision,\n"
+      "                                  Osawa et al.; decompositions in float; default float)\n"
       "  --strategy auto|comm-opt|hybrid|mem-opt   under mpiexec: KAISA's work assignment for K-FAC, i.e. the\n"
       "                                  gradient-worker fraction 1, 1/2 or 1/P; auto: the fraction, split preconditioning\n"
       "                                  and reduce-to-owner (unless given) the cost model predicts fastest (default auto)\n"
@@ -198,6 +200,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--factor-every") num(a.train.kfac.factor_update_steps);
     else if (key == "--inverse") a.train.kfac.inverse = value;
     else if (key == "--rank") num(a.train.kfac.rank);
+    else if (key == "--factor-precision") a.train.kfac.factor_precision = value;
     else if (key == "--factored-damping") num(a.train.kfac.factored_damping);
     else if (key == "--strategy") a.train.kfac.strategy = value;
     else if (key == "--grad-worker-fraction") num(a.train.kfac.grad_worker_fraction);
@@ -303,6 +306,7 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
       n += "+rank" + std::to_string(c.rank) + (c.factored_damping ? "f" : "");
     else if (c.inverse != d.inverse) n += "+" + c.inverse;
   }
+  if (k == nn::OptimizerKind::kfac && s.kfac.factor_precision == "half") n += "+half";
   if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
   if (k == nn::OptimizerKind::kfac && s.kfac.eigen_refresh > 0) {
     char b[32];
