@@ -279,8 +279,11 @@ TEST_CASE("fixed-order sums: the documented order, the same bits on every host b
           "[backend][equivalence][ordered_sum]") {
   // The order written out from docs/backends.md: chunks of 4096 terms (column-major), each summed
   // first to last, then the chunks' sums first to last; up to 4096 terms plain left to right.
+  // The last four shapes take the path that sums two chunks side by side (columns of 256 terms
+  // and more): an even and an odd number of chunks, with and without a partial last one.
   Rng rng(13);
-  for (const auto& shape : std::vector<std::pair<long, long>>{{1, 1}, {7, 1}, {4096, 1}, {4097, 1}, {37, 350}, {12293, 1}}) {
+  for (const auto& shape : std::vector<std::pair<long, long>>{
+           {1, 1}, {7, 1}, {4096, 1}, {4097, 1}, {37, 350}, {12293, 1}, {785, 256}, {1000, 33}, {256, 64}, {300, 41}}) {
     const long rows = shape.first, cols = shape.second, n = rows * cols;
     INFO(rows << " x " << cols);
     Kokkos::View<double*, Kokkos::HostSpace> x("x", std::size_t(n));

@@ -287,13 +287,15 @@ TEST_CASE("factored damping: (G~ + sqrt(damping) I)^-1 X (A~ + sqrt(damping) I)^
     }
   }
   SECTION("rank < n: the dense solve with the returned factors, each damped") {
-    const RE policies[] = {RE{}.with_rank(4).with_oversampling(3), RE{}.with_rank(6).with_oversampling(3)};
-    const int outs[] = {14, 6};  // both factors low-rank; G exact (rank >= g), A low-rank
-    for (int c = 0; c < 2; ++c) {
+    const RE policies[] = {RE{}.with_rank(4).with_oversampling(3), RE{}.with_rank(6).with_oversampling(3),
+                           RE{}.with_rank(6).with_oversampling(3)};
+    // both factors low-rank; G exact (rank >= g), A low-rank; A exact (4 inputs and the bias), G low-rank
+    const int ins[] = {30, 30, 4}, outs[] = {14, 6, 14};
+    for (int c = 0; c < 3; ++c) {
       for (const bool precompute : {false, true}) {
         Pre pre(plain_options(damping).with_precompute_reciprocal(precompute));
         const auto method = kfac::KFAC<kfac::Symmetric, RE>(RE(policies[c]).with_factored_damping(true));
-        const auto [x, got] = one_step(pre, 30, outs[c], 64, 11, method);
+        const auto [x, got] = one_step(pre, ins[c], outs[c], 64, 11, method);
         const auto& layer = pre.layer_as<RLayer<>>("fc");
         const double s = std::sqrt(damping);
         const MatrixXd a = approximation(*layer.decomposition_a()), g = approximation(*layer.decomposition_g());

@@ -48,6 +48,18 @@ struct SolverWorkspace {
   }
 };
 
+/// The scalars the vendor libraries (LAPACK, cuSOLVER) serve: float and double.
+template <class T>
+constexpr bool vendor_scalar_v = std::is_same<T, float>::value || std::is_same<T, double>::value;
+
+/// Column-major leading dimension of a matrix view, at least 1 (as BLAS, LAPACK and cuSOLVER
+/// require, also for an empty matrix).
+template <class M>
+int leading_dimension(const M& m) {
+  const int ld = int(m.stride(1));
+  return ld > 0 ? ld : 1;
+}
+
 /// Throws kfac::Error "linalg::<entry>: <what>" unless ok (the shape checks of the entries).
 inline void require_shape(bool ok, const char* entry, const char* what, std::size_t r0, std::size_t c0,
                           std::size_t r1 = 0, std::size_t c1 = 0) {

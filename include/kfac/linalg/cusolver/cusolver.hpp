@@ -60,7 +60,7 @@ int cusolver_info(const Kokkos::Cuda& exec, const Info& info) {
 /// stream; `ws` (SolverWorkspace) keeps the device workspace between calls.
 template <class Q, class W, class Ws>
 void cusolver_eigh(const Kokkos::Cuda& exec, const Q& q, const W& w, Ws& ws) {
-  const int n = int(q.extent(0)), ld = n > 0 ? int(q.stride(1)) : 1;
+  const int n = int(q.extent(0)), ld = leading_dimension(q);
   cusolverDnHandle_t h = CusolverHandles::get(exec);
   int lwork = 0;
   if (cusolver_syevd_buffer(h, n, q.data(), ld, w.data(), &lwork) != CUSOLVER_STATUS_SUCCESS)
@@ -76,7 +76,7 @@ void cusolver_eigh(const Kokkos::Cuda& exec, const Q& q, const W& w, Ws& ws) {
 /// exec's stream. Throws, like the LAPACK path, when a is not positive definite.
 template <class A, class Ws>
 void cusolver_spd_inverse_upper(const Kokkos::Cuda& exec, const A& a, Ws& ws) {
-  const int n = int(a.extent(0)), ld = n > 0 ? int(a.stride(1)) : 1;
+  const int n = int(a.extent(0)), ld = leading_dimension(a);
   cusolverDnHandle_t h = CusolverHandles::get(exec);
   int lwork_f = 0, lwork_i = 0;
   if (cusolver_pot_buffer(h, false, n, a.data(), ld, &lwork_f) != CUSOLVER_STATUS_SUCCESS ||
@@ -98,8 +98,7 @@ void cusolver_spd_inverse_upper(const Kokkos::Cuda& exec, const A& a, Ws& ws) {
 
 /// Kokkos::Cuda, in float and double.
 template <class Exec, class T>
-using if_cusolver_t = std::enable_if_t<std::is_same<Exec, Kokkos::Cuda>::value &&
-                                       (std::is_same<T, float>::value || std::is_same<T, double>::value)>;
+using if_cusolver_t = std::enable_if_t<std::is_same<Exec, Kokkos::Cuda>::value && vendor_scalar_v<T>>;
 
 template <class Exec, class T>
 struct Vendor<op::Eigh, Exec, T, if_cusolver_t<Exec, T>> {

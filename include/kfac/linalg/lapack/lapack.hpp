@@ -52,21 +52,14 @@ inline void blas_square_gemm(bool trans, int n, const float* a, int lda, const f
 
 /// Host-accessible spaces, in float and double.
 template <class Exec, class T>
-using if_lapack_t = std::enable_if_t<host_accessible_v<Exec> && (std::is_same<T, float>::value || std::is_same<T, double>::value)>;
-
-/// Column-major leading dimension of a matrix view, at least 1 (as BLAS requires when n = 0).
-template <class M>
-int leading_dimension(const M& m) {
-  const int ld = int(m.stride(1));
-  return ld > 0 ? ld : 1;
-}
+using if_lapack_t = std::enable_if_t<host_accessible_v<Exec> && vendor_scalar_v<T>>;
 
 template <class Exec, class T>
 struct Vendor<op::Eigh, Exec, T, if_lapack_t<Exec, T>> {
   static constexpr bool available = true;
   static void run(const Exec& exec, const Matrix<T, Exec>& q, const Vector<T, Exec>& w, SolverWorkspace<T, Exec>&) {
     exec.fence();
-    const int info = lapack_syevd(int(q.extent(0)), q.data(), int(q.stride(1)), w.data());
+    const int info = lapack_syevd(int(q.extent(0)), q.data(), leading_dimension(q), w.data());
     if (info != 0) throw Error("", "LAPACK syevd failed with info = " + std::to_string(info));
   }
 };
@@ -91,11 +84,11 @@ struct Vendor<op::SyrkT, Exec, T, if_lapack_t<Exec, T>> {
   template <class R>
   static void run(const Exec& exec, T alpha, const R& r, T beta, const Matrix<T, Exec>& c) {
     exec.fence();
-    const int n = int(c.extent(0)), k = int(r.extent(0)), ldc = int(c.stride(1));
+    const int n = int(c.extent(0)), k = int(r.extent(0)), ldc = leading_dimension(c);
     if constexpr (std::is_same<typename R::array_layout, Kokkos::LayoutRight>::value)
       blas_syrk(false, n, k, alpha, r.data(), n, beta, c.data(), ldc);
     else
-      blas_syrk(true, n, k, alpha, r.data(), k > 0 ? int(r.stride(1)) : 1, beta, c.data(), ldc);
+      blas_syrk(true, n, k, alpha, r.data(), leading_dimension(r), beta, c.data(), ldc);
   }
 };
 

@@ -60,11 +60,27 @@ void scale_eigenbasis_columns(const Exec& exec, const Vector<T, Exec>& la, const
                               const Matrix<T, Exec>& r, const Matrix<T, Exec>& out, int c0, int c1) {
   const T d = T(damping);
   const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
-  Kokkos::parallel_for(
-      "kfac::eigen::scale", ColumnMajorRange<Exec>(exec, {0, c0}, {int(out.extent(0)), c1}),
-      KOKKOS_LAMBDA(int i, int j) {
-        out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d);
-      });
+  const int rows = int(out.extent(0));
+  if constexpr (host_accessible_v<Exec>) {
+    // One column per iteration, la(j) read once: a loop the compiler vectorizes (a per-entry
+    // kernel reloads every eigenvalue, as out may alias them). The same bits.
+    Kokkos::parallel_for(
+        "kfac::eigen::scale", Kokkos::RangePolicy<Exec>(exec, c0, c1), KOKKOS_LAMBDA(int j) {
+          T* o = &out(0, j);
+          const T* g = lg.data();
+          if (pre) {
+            const T* rj = &r(0, j);
+            for (int i = 0; i < rows; ++i) o[i] = o[i] * rj[i];
+          } else {
+            const T aj = la(j);
+            for (int i = 0; i < rows; ++i) o[i] = o[i] / (g[i] * aj + d);
+          }
+        });
+  } else {
+    Kokkos::parallel_for(
+        "kfac::eigen::scale", ColumnMajorRange<Exec>(exec, {0, c0}, {rows, c1}),
+        KOKKOS_LAMBDA(int i, int j) { out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d); });
+  }
 }
 
 /// \brief out = \f$Q_G [(Q_G^T X Q_A) \oslash (\lambda_G \lambda_A^T + \gamma)] Q_A^T\f$ for

@@ -217,6 +217,48 @@ void low_rank_reciprocal(const Exec& exec, const LowRankPair<T, Exec>& f, double
       });
 }
 
+/// \brief m(i, j) *= c(i) on rows [0, rows) and columns [0, cols). On the host each c(i) is
+/// computed once, not once per entry (a coefficient of low_rank_apply costs one to three
+/// divisions, which the compiler cannot hoist out of a per-entry kernel: m may alias the
+/// eigenvalues it reads); on a device one thread per entry. The same bits either way.
+template <class Exec, class M, class C>
+void scale_rows_by(const Exec& exec, const char* label, const M& m, int rows, int cols, const C& c) {
+  if constexpr (host_accessible_v<Exec>) {
+    Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec>(exec, 0, rows), KOKKOS_LAMBDA(int i) {
+      const auto ci = c(i);
+      for (int j = 0; j < cols; ++j) m(i, j) *= ci;
+    });
+  } else {
+    Kokkos::parallel_for(label, ColumnMajorRange<Exec>(exec, {0, 0}, {rows, cols}),
+                         KOKKOS_LAMBDA(int i, int j) { m(i, j) *= c(i); });
+  }
+}
+
+/// \brief out(i, j) += x(i, j) c(j) when x is given, else out(i, j) *= c(j), on rows [0, rows)
+/// and columns [0, cols): scale_rows_by's counterpart for columns (on the host each c(j) once and
+/// a contiguous loop down the column).
+template <class Exec, class M, class X, class C>
+void scale_columns_by(const Exec& exec, const char* label, const M& out, const X& x, int rows, int cols, const C& c) {
+  const bool add = x.data() != nullptr;
+  if constexpr (host_accessible_v<Exec>) {
+    Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec>(exec, 0, cols), KOKKOS_LAMBDA(int j) {
+      const auto cj = c(j);
+      auto* o = &out(0, j);
+      if (add) {
+        const auto* xj = &x(0, j);
+        for (int i = 0; i < rows; ++i) o[i] += xj[i] * cj;
+      } else {
+        for (int i = 0; i < rows; ++i) o[i] *= cj;
+      }
+    });
+  } else {
+    Kokkos::parallel_for(label, ColumnMajorRange<Exec>(exec, {0, 0}, {rows, cols}), KOKKOS_LAMBDA(int i, int j) {
+      if (add) out(i, j) += x(i, j) * c(j);
+      else out(i, j) *= c(j);
+    });
+  }
+}
+
 /// \brief out = \f$\mathrm{mat}((\tilde G \otimes \tilde A + \gamma I)^{-1}\mathrm{vec}(X))\f$ for
 /// low-rank-plus-scaled-identity factors, X (g x a). With \f$K = U_G^T X\f$, \f$S = K U_A\f$,
 /// \f$M = X U_A\f$ and the coefficients of block_coefficient (\f$s_4 = w(c_G, c_A)\f$, \f$\alpha_i =
@@ -249,26 +291,23 @@ void low_rank_apply(const Exec& exec, const LowRankPair<T, Exec>& f, const Matri
         s(i, j) *= pre ? r(i, j) : block_coefficient(lg(i) + s0, la(j) + s0, cg(0) + s0, ca(0) + s0, d, has_a, has_g);
       });
   if (has_a) {
-    Kokkos::parallel_for(
-        "kfac::randomized::scale_rows", ColumnMajorRange<Exec>(exec, {0, 0}, {kg, a}), KOKKOS_LAMBDA(int i, int j) {
-          k(i, j) *= pre ? r(i, ka) : block_coefficient(lg(i) + s0, ca(0) + s0, cg(0) + s0, ca(0) + s0, d, false, has_g);
-        });
+    scale_rows_by(exec, "kfac::randomized::scale_rows", k, kg, a, KOKKOS_LAMBDA(int i) {
+      return pre ? r(i, ka) : block_coefficient(lg(i) + s0, ca(0) + s0, cg(0) + s0, ca(0) + s0, d, false, has_g);
+    });
   }
   gemm(exec, "N", "T", T(1), s, f.ua, T(has_a ? 1 : 0), k);  // diag(alpha) K + (S o C) U_A^T
   gemm(exec, "N", "N", T(1), f.ug, k, T(0), out);            // U_G (...)
   if (!has_g) return;
   if (has_a) {
-    Kokkos::parallel_for(
-        "kfac::randomized::add_scaled", ColumnMajorRange<Exec>(exec, {0, 0}, {g, a}), KOKKOS_LAMBDA(int i, int j) {
-          out(i, j) += x(i, j) * (pre ? r(kg, ka) : block_coefficient(cg(0) + s0, ca(0) + s0, cg(0) + s0, ca(0) + s0, d, false, false));
-        });
+    scale_columns_by(exec, "kfac::randomized::add_scaled", out, x, g, a, KOKKOS_LAMBDA(int) {
+      return pre ? r(kg, ka) : block_coefficient(cg(0) + s0, ca(0) + s0, cg(0) + s0, ca(0) + s0, d, false, false);
+    });
   }
   const Part m(work.data(), g, ka);
   gemm(exec, "N", "N", T(1), x, f.ua, T(0), m);  // M = X U_A
-  Kokkos::parallel_for(
-      "kfac::randomized::scale_columns", ColumnMajorRange<Exec>(exec, {0, 0}, {g, ka}), KOKKOS_LAMBDA(int i, int j) {
-        m(i, j) *= pre ? r(kg, j) : block_coefficient(cg(0) + s0, la(j) + s0, cg(0) + s0, ca(0) + s0, d, has_a, false);
-      });
+  scale_columns_by(exec, "kfac::randomized::scale_columns", m, Part(), g, ka, KOKKOS_LAMBDA(int j) {
+    return pre ? r(kg, j) : block_coefficient(cg(0) + s0, la(j) + s0, cg(0) + s0, ca(0) + s0, d, has_a, false);
+  });
   gemm(exec, "N", "T", T(1), m, f.ua, T(1), out);  // + M diag(beta) U_A^T
 }
 
