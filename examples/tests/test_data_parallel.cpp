@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -61,6 +62,18 @@ double drift(const Weights& together, const Weights& alone, const Weights& initi
   return worst;
 }
 
+// The same measure for the losses: max over steps of |L_P - L_1| relative to the progress the
+// one-process loss made, max over steps of |L_1 - L_1(step 0)|. A loss relative to itself is
+// not: it falls to 1e-6 on this data (SGD), where rounding alone reached 1.6e-4 of it.
+double loss_drift(const std::vector<double>& together, const std::vector<double>& alone) {
+  double apart = 0.0, moved = 0.0;
+  for (std::size_t i = 0; i < alone.size(); ++i) {
+    apart = std::max(apart, std::abs(together[i] - alone[i]));
+    moved = std::max(moved, std::abs(alone[i] - alone[0]));
+  }
+  return apart / moved;
+}
+
 }  // namespace
 
 TEST_CASE("P ranks train like one process on the whole batch, and agree bit for bit", "[data_parallel]") {
@@ -70,7 +83,7 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
   struct Case {
     nn::OptimizerKind kind;
     std::string inverse;  // K-FAC only
-    double tolerance;     // on drift() after the first step and after the last
+    double tolerance;     // on drift() after the first step and after the last, and on loss_drift()
     bool recipe = false;  // --recipe large-batch: the learning rate (and K-FAC's settings) scheduled
   };
   // P ranks sum the gradients and factors in another order than one process, so the weights
@@ -78,6 +91,10 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
   // by CPU). The tolerances are about 5x the worst drift measured over np 2, 3 and 4 with the
   // Haswell, Zen, SkylakeX and Cooperlake kernels (OPENBLAS_CORETYPE), first or last of 10 steps:
   //   sgd 5.5e-7, adam 3.9e-4, kfac eigen 4.0e-4, kfac cholesky 1.1e-3.
+  // The losses' loss_drift() stays far below the weights' drift(): worst over np 2, 3 and 4 with
+  // the Prescott, Sandybridge, Haswell and Zen kernels (2026-12-07), sgd 1.2e-7, adam 9.2e-7,
+  // kfac eigen 1.0e-6, cholesky 6.0e-6, randomized 1.0e-4 (SkylakeX, reported: 1.3e-4), so the
+  // same tolerance holds it with 25x or more to spare.
   // Adam's is all in single weights whose gradient is rounding noise near its eps (1e-8): there
   // g / (|g| + eps) changes by 15% with the summation order. K-FAC's comes from the damped float
   // inverses of badly conditioned factors (tests/test_mpi_distributed.cpp checks the Cholesky
@@ -90,10 +107,13 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
     // The demo's MLP default (RandomizedEigen rank 32, factored damping, distribution chosen by
     // the cost model). Keeping the top k of l Ritz values is not continuous where values near
     // the k-th are nearly equal (the running factors start from a multiple of the identity), so
-    // float rounding in the sums can keep another subspace: first-step drift measured up to
-    // 0.016 (4 ranks; 0.03-0.05 at ranks 128-512, 0.12 with the eigen form of damping), against
-    // the O(1) of a wrong split or average. tests/test_mpi_distributed.cpp checks the low-rank
-    // path over MPI in double to 1e-10.
+    // float rounding in the sums can keep another subspace: the P-rank run is then not "the
+    // one-process run plus rounding" but a neighbouring run, and only the drift measures, not a
+    // loss-by-loss relative match, compare it. First-step drift measured up to 0.016 (4 ranks,
+    // every kernel above; 0.03-0.05 at ranks 128-512, 0.12 with the eigen form of damping), and
+    // with SkylakeX kernels the last loss moved by 3.4e-4 of itself (2.3035715 vs 2.3027972),
+    // against the O(1) of a wrong split or average. tests/test_mpi_distributed.cpp checks the
+    // low-rank path over MPI in double to 1e-10.
     cases.push_back({nn::OptimizerKind::kfac, "randomized", 5e-2});
     cases.push_back({nn::OptimizerKind::sgd, "", 3e-6, true});
     cases.push_back({nn::OptimizerKind::kfac, "eigen", 2e-3, true});
@@ -116,7 +136,7 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
       const Trace together = train(data, s, world, steps);
       const Trace alone = train(data, s, nn::World(), steps);
       REQUIRE(together.losses.size() == alone.losses.size());
-      for (int i = 0; i < steps; ++i) CHECK(together.losses[i] == Approx(alone.losses[i]).epsilon(2e-4));
+      CHECK(loss_drift(together.losses, alone.losses) < c.tolerance);
       const bool same_start = together.initial == alone.initial;  // the same seed
       REQUIRE(same_start);
       // The first step is where a wrong split or average shows before anything amplifies it.
