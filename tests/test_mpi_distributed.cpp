@@ -693,12 +693,30 @@ TEST_CASE("every rank may load rank 0's checkpoint", "[mpi][checkpoint]") {
   CHECK(identical_on_all_ranks(run(resumed, rank, size, 2)));
 }
 
+/// A Newton-Schulz layer that fails by construction, not by rounding. With every input 2^60 and
+/// every output gradient 1 in a one-row batch (statistics replacing the factors: factor decay
+/// 0), A = a J (3 x 3) and G = b J (2 x 2), J all ones, a = 2^120 and b = 1 (to an ulp after the
+/// average over ranks), every entry the same bits on every kernel: one product of powers of two,
+/// then the same operations. pi ~ 2^60, so the shifts pi sqrt(damping) and sqrt(damping) / pi
+/// stay below half an ulp of a and of b while sqrt(damping) < 2^7 (damping up to 1.6e4, retries
+/// included): A + shift I == A and G + shift I == G, singular, bit for bit. Then for any X, M X
+/// has rank 1 and ||I - M X||_F >= sqrt(n - 1) >= 1, never below the convergence test's 1e-2;
+/// the GEMMs' rounding is about n eps 2^k of M X's scale after k iterations (X doubles on J's
+/// null space), 4e-7 at the 30 allowed.
+constexpr double singular_input = 1152921504606846976.0;  // 2^60
+template <class Pre>
+void register_singular_newton_schulz(Pre& pre) {
+  pre.register_layer("ns", kfac::Dense(3, 2, false),
+                     kfac::KFAC<kfac::Symmetric, kfac::NewtonSchulz>(kfac::NewtonSchulz{}.with_max_iterations(30)));
+}
+
 TEST_CASE("a decomposition failing on one rank is an error on every rank", "[mpi][errors]") {
   kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
-      kfac::Options{}.with_kl_clip(0.0).with_damping(1e-30), Host(), kfac::MpiComm(MPI_COMM_WORLD));
-  pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::NewtonSchulz>("ns", kfac::Dense(3, 2, false));
+      kfac::Options{}.with_kl_clip(0.0).with_damping(1e-2).with_factor_decay(0.0), Host(),
+      kfac::MpiComm(MPI_COMM_WORLD));
+  register_singular_newton_schulz(pre);
   V2 x("x", 1, 3), g("g", 1, 2), w("w", 2, 3);
-  Kokkos::deep_copy(x, 1e15);  // cond ~ 1e45: Newton-Schulz fails even after 3 damping raises
+  Kokkos::deep_copy(x, singular_input);  // A + shift I singular: fails even after 3 damping raises
   Kokkos::deep_copy(g, 1.0);
   Kokkos::deep_copy(w, 1.0);
   pre.observe_input("ns", x);
@@ -709,13 +727,18 @@ TEST_CASE("a decomposition failing on one rank is an error on every rank", "[mpi
 }
 
 TEST_CASE("a deferred decomposition failing on the rank that computes it is an error on every rank", "[mpi][errors][deferred]") {
-  // d = 1, a decomposition every step: step 0 decomposes at once (benign data), step 1 launches
-  // one from ill-conditioned factors (cond ~ 1e30: Newton-Schulz fails even after 3 damping
-  // raises), step 2 swaps it in: one rank computed it, every rank must throw the same error.
-  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
-      kfac::Options{}.with_kl_clip(0.0).with_damping(1e-2).with_inv_update_steps(1).with_decomposition_delay(1), Host(),
-      kfac::MpiComm(MPI_COMM_WORLD));
-  pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::NewtonSchulz>("ns", kfac::Dense(3, 2, false));
+  // d = 1, a decomposition every step: step 0 decomposes at once (benign data: J + 0.1 I), step
+  // 1 launches one from singular factors (register_singular_newton_schulz: Newton-Schulz fails
+  // even after 3 damping raises), step 2 swaps it in: one rank computed it, every rank must
+  // throw the same error.
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(kfac::Options{}
+                                                            .with_kl_clip(0.0)
+                                                            .with_damping(1e-2)
+                                                            .with_factor_decay(0.0)
+                                                            .with_inv_update_steps(1)
+                                                            .with_decomposition_delay(1),
+                                                        Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  register_singular_newton_schulz(pre);
   V2 x("x", 1, 3), g("g", 1, 2), w("w", 2, 3);
   auto feed = [&](double scale) {
     Kokkos::deep_copy(x, scale);
@@ -727,7 +750,7 @@ TEST_CASE("a deferred decomposition failing on the rank that computes it is an e
   };
   feed(1.0);
   pre.step();
-  feed(1e15);
+  feed(singular_input);
   pre.step();  // launched: the decomposition in use is still step 0's
   feed(1.0);
   const int size = world_size();
