@@ -38,13 +38,14 @@ if [ "${#coretypes[@]}" = 0 ]; then
   exit 2
 fi
 
-# The numerical tests: every unit, MPI and example test whose results go through the BLAS, at
-# one or two world sizes each. Left out: what does not compute (install_consumer,
+# The numerical tests: every unit, MPI and example test whose results go through the BLAS, MPI
+# ones at 2 ranks (test_mpi_restart at its only size, 4; examples_test_data_parallel, the most
+# sensitive to the kernels, at 2 and 3). Left out: what does not compute (install_consumer,
 # design_layout, api_docs*, the compile-fail tests refused_* and half_t_refused, the examples'
 # command-line runs *_help, *_fresh_dir, *_stop_at_target*, *_recipe, *_strategy_auto), the
 # Fashion-MNIST and Python runs, benchmark smokes and scaling runs (minutes each, no comparison
 # across kernels), and MPI tests of timing or faults (watchdog, faults, the 8-rank load).
-tests=${KFAC_CORETYPE_TESTS:-'^(test_(dense_preconditioning|randomized_eigen|half_precision|deferred|conv2d|batch_norm|schedules|large_batch|adapters|cost_model|checkpoint_v[12]|core|shampoo|ngsgd|ngsgd_kaldi|backend_equivalence|linalg|skip|reliability|torch_adapter)|test_mpi_(distributed|cost_model|round_robin|core|parameter_averager|comm_precision)_np[23]|test_mpi_distributed_thread_single_np2|test_mpi_(shampoo|skip|pipeline)_np2|test_mpi_restart_np4|test_torch_mpi_np2|examples_test_(idx_reader|layers|training|ngsgd_training)|examples_test_(data_parallel|fdg_stage)_np[23]|examples_test_parameter_averaging_np2)$'}
+tests=${KFAC_CORETYPE_TESTS:-'^(test_(dense_preconditioning|randomized_eigen|half_precision|deferred|conv2d|batch_norm|schedules|large_batch|adapters|cost_model|checkpoint_v[12]|core|shampoo|ngsgd|ngsgd_kaldi|backend_equivalence|linalg|skip|reliability|torch_adapter)|test_mpi_(distributed|distributed_thread_single|cost_model|round_robin|core|parameter_averager|comm_precision|shampoo|skip|pipeline)_np2|test_mpi_restart_np4|test_torch_mpi_np2|examples_test_(idx_reader|layers|training|ngsgd_training)|examples_test_(fdg_stage|parameter_averaging)_np2|examples_test_data_parallel_np[23])$'}
 
 # A probe that loads OpenBLAS: any test executable, listing its tests.
 probe=$build/tests/test_linalg
