@@ -51,11 +51,21 @@ if [ "$backend" = cuda ]; then
 fi
 cmake -S "$root" -B "$build" "${cmake_args[@]}" "$@"
 phase configure
-if [ -n "${KFAC_BACKEND_TARGETS:-}" ]; then
-  # shellcheck disable=SC2086
-  cmake --build "$build" -j "$jobs" --target $KFAC_BACKEND_TARGETS
-else
+# What each leg builds by default (the whole suite stays in the Serial leg, scripts/test.sh):
+# OpenMP: the Serial-vs-OpenMP comparison of every policy combination, the MPI suite, deferred
+#   decompositions on a second host thread next to OpenMP's, and the demo trained data-parallel.
+# CUDA: units that together compile every labelled kernel and allocation of include/kfac
+#   (scripts/kernel_labels.sh checks it below), and the examples' network library.
+# KFAC_BACKEND_TARGETS overrides the list; KFAC_BACKEND_TARGETS=all builds everything.
+openmp_targets="test_backend_equivalence test_mpi_distributed test_deferred examples_test_data_parallel"
+cuda_targets="test_backend_equivalence test_cost_model test_mpi_core test_mpi_parameter_averager test_dense_preconditioning
+              test_adapters fashion_mnist examples_test_fdg_stage"
+if [ "$backend" = openmp ]; then targets=${KFAC_BACKEND_TARGETS:-$openmp_targets}; else targets=${KFAC_BACKEND_TARGETS:-$cuda_targets}; fi
+if [ "$targets" = all ]; then
   cmake --build "$build" -j "$jobs"
+else
+  # shellcheck disable=SC2086
+  cmake --build "$build" -j "$jobs" --target $targets
 fi
 phase build
 if [ ${#ccache_args[@]} -gt 0 ]; then
@@ -64,9 +74,29 @@ fi
 
 if [ "$backend" = openmp ]; then
   cd "$build"
-  OMP_NUM_THREADS=2 OMP_PROC_BIND=false ctest --output-on-failure -j "${KFAC_TEST_JOBS:-1}"
+  only=()
+  # shellcheck disable=SC2086
+  [ "$targets" = all ] || only=(-R "^($(echo $targets | tr ' ' '|'))(_.*)?\$")
+  OMP_NUM_THREADS=2 OMP_PROC_BIND=false ctest --output-on-failure -j "${KFAC_TEST_JOBS:-1}" "${only[@]}"
   phase ctest
 else
+  built=()
+  # shellcheck disable=SC2086
+  for t in $targets; do
+    [ "$t" = all ] && break
+    f=$(find "$build" -type f -name "$t" -perm -u+x | head -n 1)
+    [ -n "$f" ] || { log "cuda: $t was not built"; exit 1; }
+    built+=("$f")
+  done
+  [ "$targets" = all ] && mapfile -t built < <(find "$build" -type f -perm -u+x \( -name 'test_*' -o -name 'examples_*' -o -name 'bench*' -o -name '*fashion_mnist' \))
+  serial=${KFAC_BUILD_DIR:-$root/build}  # scripts/test.sh's build, which CI runs first
+  if [ -n "${KFAC_BACKEND_TARGETS:-}" ] && [ "$targets" != all ]; then
+    log "cuda: KFAC_BACKEND_TARGETS given: kernel labels not checked"
+  elif [ -d "$serial/tests" ]; then
+    "$root/scripts/kernel_labels.sh" check "$serial" "${built[@]}"
+  else
+    log "cuda: no Serial build in $serial to compare kernel labels with (run scripts/test.sh first): not checked"
+  fi
   log "cuda: built (compile and link only); nothing runs without a GPU"
 fi
 log "$backend leg done in $(($(date +%s) - leg_start)) s"

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Which of kfac's labelled kernels and allocations (the "kfac::<area>::<op>" strings under
+# include/kfac) a set of built executables instantiated: a label's string is in a binary only
+# when the template that holds it was compiled there. The CUDA leg uses it to show that its few
+# nvcc units compile every kernel that the whole Serial suite compiles (scripts/test_backend.sh).
+# g++ at -O2 and above may build a short label's std::string from immediates instead of the
+# literal, so a label can be compiled yet invisible: the check therefore compares with the labels
+# visible in a reference build (the Serial leg's, same compiler and flags), not with the source.
+#
+# Usage: scripts/kernel_labels.sh check <reference build dir> <file>...
+#            exits 1 and lists every label of include/kfac that some executable of the reference
+#            build holds and none of the files does (labels of host-only code excepted, below)
+#        scripts/kernel_labels.sh cover <file>...   a greedy cover: the fewest files, in order,
+#                                                   whose labels together are the union of all
+#        scripts/kernel_labels.sh list <file>       the labels one file holds
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+mode=${1:-}
+shift || true
+[ $# -gt 0 ] || { echo "usage: $0 <check|cover|list> <file>..." >&2; exit 64; }
+
+# Labels of host-only code, not compiled for a device backend.
+host_only=${KFAC_HOST_ONLY_LABELS:-}
+
+labels_in() { strings -a "$1" | grep -oE '^kfac::[a-z_0-9]+::[a-z_0-9:]+$' | sort -u; }
+library_labels() {
+  grep -rhoE '"kfac::[a-z_0-9]+::[a-z_0-9:]+"' "$root/include/kfac" | tr -d '"' | sort -u
+}
+
+case "$mode" in
+  list) labels_in "$1" ;;
+  check)
+    ref=$1
+    shift
+    mapfile -t ref_files < <(find "$ref" -type f -perm -u+x \( -name 'test_*' -o -name 'examples_*' -o -name 'bench*' -o -name '*fashion_mnist' \))
+    [ ${#ref_files[@]} -gt 0 ] || { echo "kernel_labels: no executables in the reference build $ref" >&2; exit 2; }
+    have=$(for f in "$@"; do labels_in "$f"; done | sort -u)
+    want=$(comm -12 <(library_labels) <(for f in "${ref_files[@]}"; do labels_in "$f"; done | sort -u))
+    missing=$(comm -23 <(echo "$want") <(echo "$have"))
+    for h in $host_only; do missing=$(echo "$missing" | grep -vx "$h" || true); done
+    total=$(echo "$want" | wc -l)
+    if [ -n "$missing" ]; then
+      echo "kernel_labels: $(echo "$missing" | wc -l) of the $total labels of include/kfac in $ref are in none of the $# files:" >&2
+      echo "$missing" | sed 's/^/  /' >&2
+      exit 1
+    fi
+    echo "kernel_labels: the $# files hold all $total labels of include/kfac that $ref's executables hold"
+    ;;
+  cover)
+    declare -A set
+    for f in "$@"; do set[$f]=$(labels_in "$f" | tr '\n' ' '); done
+    want=$(for f in "$@"; do labels_in "$f"; done | sort -u)
+    covered=""
+    while :; do
+      best="" best_n=0
+      for f in "$@"; do
+        n=$(comm -23 <(echo "${set[$f]}" | tr ' ' '\n' | grep . | sort -u) <(echo "$covered" | tr ' ' '\n' | grep . | sort -u) | wc -l)
+        if [ "$n" -gt "$best_n" ]; then best=$f best_n=$n; fi
+      done
+      [ -n "$best" ] || break
+      echo "$best +$best_n"
+      covered="$covered ${set[$best]}"
+    done
+    echo "cover: $(echo "$covered" | tr ' ' '\n' | grep . | sort -u | wc -l) of $(echo "$want" | grep -c .) labels"
+    ;;
+  *) echo "usage: $0 <check|cover|list> <file>..." >&2; exit 64 ;;
+esac
