@@ -180,10 +180,14 @@ class Preconditioner {
   /// \brief The gradient to precondition in place at the next step(): the weight gradient
   /// (out, in) or, for Conv2d, (O, C, kh, kw); and the bias gradient (out), or an empty view
   /// for a layer without bias. For BatchNorm2d: (dgamma, dbeta). The views must stay valid
-  /// until step() returns.
+  /// until step() returns, and no two layers' gradients may share memory (tied weights: each
+  /// layer preconditions its own in place).
   template <class W, class B = Kokkos::View<Scalar*, memory_space>>
   void set_gradient(const std::string& name, const W& weight, const B& bias = B()) {
-    impl::take_gradient<Scalar, Exec>(reg_.at(name), weight, bias);
+    auto& entry = reg_.at(name);
+    if constexpr (Kokkos::is_view<W>::value && Kokkos::is_view<B>::value)
+      impl::check_gradient_not_shared(reg_, name, weight, bias);
+    impl::take_gradient<Scalar, Exec>(entry, weight, bias);
   }
 
   /// \brief Runs one step; see the class description. On a kfac::Error nothing changed.
