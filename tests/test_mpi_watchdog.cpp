@@ -1,5 +1,5 @@
 // No collective waits forever, and misuse that used to hang, abort in MPI or drift silently is
-// a kfac::Error (issue 26): each case runs at 2-4 ranks under the ctest timeout with a 2 s
+// a kfac::Error (issues 26, 46): each case runs at 2-4 ranks under the ctest timeout with a 2 s
 // watchdog, checks what every rank saw and ends in a plain MPI_Barrier, so that a rank that
 // moved on waits for the one that is still timing out.
 #include <cstdlib>
@@ -53,7 +53,35 @@ void check_refused(const char* fault, const Outcome& o, const std::string& expec
   CHECK(everywhere(o.seconds < kTimeout));
 }
 
+/// A run of `steps` steps on data `seed`, saved.
+std::string run(unsigned seed, long steps) {
+  Pre pre(options(), Host{}, watched());
+  const auto layers = net();
+  register_net(pre, layers);
+  for (long s = 0; s < steps; ++s) step_once(pre, layers, seed, s, rank_in());
+  return saved(pre);
+}
+
 }  // namespace
+
+TEST_CASE("a rank that loads another run's checkpoint is refused on every rank, naming it", "[mpi][load]") {
+  if (size_of() == 1) return;
+  const std::string mine = run(1, 3), other = run(2, 3);  // same layers, same step, other data
+  const int odd = size_of() - 1;
+  Pre pre(options(), Host{}, watched());
+  const auto layers = net();
+  register_net(pre, layers);
+  step_once(pre, layers, 3, 0, rank_in());
+  const std::string before = saved(pre);
+  const Outcome o = attempt([&] { loaded(pre, rank_in() == odd ? other : mine); });
+  check_refused("one rank loads another run's checkpoint", o, "loaded checkpoints of different content");
+  CHECK(has(o.what, "rank " + std::to_string(odd) + " loaded"));
+  CHECK(everywhere(saved(pre) == before && pre.step_count() == 1));
+  // The same checkpoint everywhere loads.
+  CHECK(everywhere(!attempt([&] { loaded(pre, mine); }).threw));
+  CHECK(everywhere(pre.step_count() == 3));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
 
 TEST_CASE("a parameter average reached on one rank only times out there, naming the call and the absent ranks",
           "[mpi][watchdog]") {

@@ -266,8 +266,10 @@ class Preconditioner {
   /// \brief Restores a state written by save() (format version 2, or 1 from kfac 0.1). Checks
   /// everything first and changes nothing if any check fails. Statistics restore at any world
   /// size; decompositions only when world size and rank match on every rank. Collective: a
-  /// checkpoint refused on one rank is refused on all. Returns true when the decompositions
-  /// were restored.
+  /// checkpoint refused on one rank is refused on all, and so are checkpoints whose replicated
+  /// content (step counters, schedules, averaged statistics: impl::replicated_hash) differs
+  /// between the ranks of a replica group, e.g. one rank handed another run's file. Returns
+  /// true when the decompositions were restored.
   bool load(std::istream& is) {
     [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::load (collective)");
     impl::CheckpointPlan cp;
@@ -280,9 +282,16 @@ class Preconditioner {
     if (!registration_checked_) check_registration();  // collective, like the rest of load()
     const bool mine = !refused && impl::decompositions_fit(cp, reg_, communicator().size(), communicator().rank(),
                                                            [&](std::size_t l) { return dist_.holds(l); });
-    const long verdict = dist_.agree_max(refused ? 2L : mine ? 0L : 1L);
+    // One collective: the verdict, and whether every rank loaded the same replicated content.
+    const int world = dist_.agreement_size();
+    const std::uint64_t content = refused ? 0 : impl::replicated_hash(cp, reg_);
+    long v[3] = {refused ? 2L : mine ? 0L : 1L, 0, 0};
+    impl::put_same_pair(v + 1, long(content));
+    if (world > 1) dist_.agree_max(v, 3);
+    const long verdict = v[0];
     if (refused) throw *refused;
     if (verdict == 2) throw Error("", "another rank refused its checkpoint; nothing was loaded");
+    if (world > 1 && !impl::same_on_every_rank(v + 1)) throw impl::content_differs(dist_, content, communicator().rank(), world);
     const bool restored =
         impl::apply_checkpoint(cp, reg_, in_flight_, verdict == 0, exec_, options_.precompute_reciprocal);
     step_ = cp.counters[0];

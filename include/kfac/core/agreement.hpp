@@ -65,6 +65,22 @@ inline void put_same_pair(long* pair, long v) {
 /// After the allreduce_max: whether every rank passed the same value in this pair.
 inline bool same_on_every_rank(const long* pair) { return pair[0] == ~pair[1]; }
 
+/// The error of a collective load whose ranks loaded different replicated content (`mine`:
+/// this rank's impl::replicated_hash): a second exchange, only then, names the ranks whose
+/// content differs from rank 0's. Collective over `dist`.
+template <class Dist>
+Error content_differs(const Dist& dist, std::uint64_t mine, int rank, int world) {
+  const bool differs = dist.share_message(rank == 0 ? std::to_string(mine) : "", 0) != std::to_string(mine);
+  long d[2] = {differs ? long(world - rank) : 0L, differs ? long(rank) : -1L};
+  dist.agree_max(d, 2);
+  const long first = world - d[0], last = d[1];
+  const std::string ranks = first == last ? "rank " + std::to_string(first)
+                                          : "ranks " + std::to_string(first) + " to " + std::to_string(last) + " (some)";
+  return Error("", "the ranks loaded checkpoints of different content: " + ranks +
+                       " loaded step counters, schedules or averaged statistics that differ from rank 0's (a "
+                       "checkpoint of another run, or of another step?); nothing was loaded on any rank");
+}
+
 /// Hash of the hyperparameter values in force at this step: the global ones and every
 /// layer's (its overrides), so that ranks given different lr, damping, kl_clip, factor_decay
 /// or intervals refuse the step together instead of drifting apart.
