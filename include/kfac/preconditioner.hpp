@@ -211,8 +211,10 @@ class Preconditioner {
     }
     mine.registration = impl::fnv1a(registration_signature());
     mine.sequence = impl::sequence_hash(step_, due, options_);
+    mine.configuration = impl::fnv1a(configuration_text());
     mine.client = client_;
-    if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size())) return skip_step();
+    const auto describe = [&] { return settings_text(v, due); };
+    if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size(), describe)) return skip_step();
     if (!registration_checked_) check_registration();
     impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, in_flight_, options_, due, step_);
     phases.update_statistics();
@@ -353,6 +355,31 @@ class Preconditioner {
     std::string sig = dist_.signature(options_);
     for (const auto& e : reg_.entries()) sig += e.block->name() + ":" + e.block->signature() + (e.skipped ? ":skip" : "") + ";";
     return sig;
+  }
+
+  /// Every setting that changes the result and is fixed at registration, by name: the Options
+  /// fields that are not hyperparameters and each layer's method settings (Block::settings).
+  std::string configuration_text() const {
+    std::string t = impl::options_text(options_);
+    for (const auto& e : reg_.entries()) t += impl::method_text(e.block->name() + ".", e.block->settings());
+    return t;
+  }
+  /// What the ranks agree on at step(), by name, compared only when a hash differs
+  /// (impl::differing_settings): the registration, the step's schedule and hyperparameter
+  /// values (each layer's, with its overrides), and configuration_text().
+  std::string settings_text(const StepValues& v, const std::vector<impl::Due>& due) const {
+    std::string t;
+    impl::put_setting(t, "distribution", dist_.signature(options_));
+    impl::put_setting(t, "step", std::to_string(step_));
+    t += impl::values_text("", v);
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      const std::string layer = reg_[l].block->name() + ".";
+      impl::put_setting(t, layer + "method", reg_[l].block->signature() + (reg_[l].skipped ? " (skipped)" : ""));
+      impl::put_setting(t, layer + "updates", std::string(due[l].factor ? "statistics" : "") + (due[l].inv ? " decomposition" : "") +
+                                                  (due[l].defer ? " deferred" : ""));
+      t += impl::values_text(layer, due[l].values);
+    }
+    return t + configuration_text();
   }
 
   void skip_step() {
