@@ -211,7 +211,7 @@ class Preconditioner {
     }
     mine.registration = impl::fnv1a(registration_signature());
     mine.sequence = impl::sequence_hash(step_, due, options_);
-    mine.configuration = impl::fnv1a(configuration_text());
+    mine.configuration = dist_.agreement_size() > 1 ? impl::fnv1a(configuration_text()) : 0;
     mine.client = client_;
     const auto describe = [&] { return settings_text(v, due); };
     if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size(), describe)) return skip_step();
@@ -286,7 +286,7 @@ class Preconditioner {
                                                            [&](std::size_t l) { return dist_.holds(l); });
     // One collective: the verdict, and whether every rank loaded the same replicated content.
     const int world = dist_.agreement_size();
-    const std::uint64_t content = refused ? 0 : impl::replicated_hash(cp, reg_);
+    const std::uint64_t content = refused || world == 1 ? 0 : impl::replicated_hash(cp, reg_);
     long v[3] = {refused ? 2L : mine ? 0L : 1L, 0, 0};
     impl::put_same_pair(v + 1, long(content));
     if (world > 1) dist_.agree_max(v, 3);

@@ -76,7 +76,7 @@ class MpiRequest {
   bool holds_back() const { return pending_bcast_; }
   /// Completes the request (and a sum's broadcast) under the watchdog's deadline.
   void wait() {
-    if (dog_->broken() && (!requests_.empty() || pending_bcast_)) {
+    if ((!requests_.empty() || pending_bcast_) && dog_->broken()) {
       abandon();
       dog_->check_usable();
     }

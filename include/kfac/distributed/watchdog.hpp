@@ -77,14 +77,16 @@ class Abandoned {
     return *one;
   }
   /// Keeps `what` (requests, buffers, a communicator handle) alive for ever; arms the
-  /// MPI_Finalize guard with `grace` seconds (see finalize_guard) and `why` for its message.
+  /// MPI_Finalize guard with `grace` seconds (see finalizing) and `why` for its message.
   void keep(std::shared_ptr<void> what, double grace, const std::string& why) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (what) kept_.push_back(std::move(what));
     any_ = true;
     grace_ = std::max(grace_, grace);
     if (why_.empty()) why_ = why;
-    if (armed_) return;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (armed_ || finalized) return;
     armed_ = true;
     std::atexit([] { instance().exiting_ = true; });
     // MPI_Finalize first frees MPI_COMM_SELF, which calls the delete callbacks of its attributes.
