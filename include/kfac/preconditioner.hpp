@@ -368,13 +368,14 @@ class Preconditioner {
   /// (impl::differing_settings): the registration, the step's schedule and hyperparameter
   /// values (each layer's, with its overrides), and configuration_text().
   std::string settings_text(const StepValues& v, const std::vector<impl::Due>& due) const {
-    std::string t;
+    std::string t;  // the registration first: what differs there is named before its consequences
     impl::put_setting(t, "distribution", dist_.signature(options_));
+    for (const auto& e : reg_.entries())
+      impl::put_setting(t, e.block->name() + ".method", e.block->signature() + (e.skipped ? " (skipped)" : ""));
     impl::put_setting(t, "step", std::to_string(step_));
     t += impl::values_text("", v);
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       const std::string layer = reg_[l].block->name() + ".";
-      impl::put_setting(t, layer + "method", reg_[l].block->signature() + (reg_[l].skipped ? " (skipped)" : ""));
       impl::put_setting(t, layer + "updates", std::string(due[l].factor ? "statistics" : "") + (due[l].inv ? " decomposition" : "") +
                                                   (due[l].defer ? " deferred" : ""));
       t += impl::values_text(layer, due[l].values);
