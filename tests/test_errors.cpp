@@ -1,8 +1,10 @@
 // Misuse is refused with a kfac::Error that names the layer and the problem, and leaves the
 // preconditioner as it was: afterwards it gives bit for bit what a twin that never saw the bad
 // call gives.
+#include <functional>
 #include <cmath>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -506,5 +508,126 @@ TEST_CASE("misuse found by a user's campaign is refused by name, at registration
     expect_error([] { kfac::schedules::step_decay(0.1, 0.5, 0); }, "", {"step_decay: every = 0"});
     expect_error([] { kfac::schedules::step_decay(0.1, -0.5, 10); }, "", {"step_decay"});
     CHECK(kfac::schedules::step_decay(0.1, 0.5, 10)(25) == Approx(0.025));
+  }
+}
+
+TEST_CASE("issue 46: four bad inputs are refused by name and change nothing", "[errors][issue46]") {
+  SECTION("a checkpoint cut short, read through a stream that throws") {
+    Pre pre(twin_options()), twin(twin_options());
+    register_all(pre);
+    register_all(twin);
+    const StepData d(0);
+    d.feed(pre);
+    pre.step();
+    std::ostringstream os(std::ios::binary);
+    pre.save(os);
+    const std::string full = os.str();
+    for (std::size_t cut : {std::size_t(4), std::size_t(14), full.size() / 2, full.size() - 3}) {
+      INFO("cut at " << cut << " of " << full.size() << " bytes");
+      std::istringstream in(full.substr(0, cut), std::ios::binary);
+      in.exceptions(std::ios::failbit | std::ios::badbit);
+      std::ostringstream before(std::ios::binary);
+      twin.save(before);
+      expect_error([&] { twin.load(in); }, "", {"checkpoint"});
+      std::ostringstream after(std::ios::binary);
+      twin.save(after);
+      CHECK(after.str() == before.str());
+    }
+  }
+  SECTION("the large-batch recipe's builders refuse bad arguments and keep the recipe") {
+    const auto base = kfac::recipes::large_batch(4096, 14, 8);
+    const std::vector<std::pair<std::string, std::function<void(kfac::recipes::LargeBatch&)>>> bad = {
+        {"with_step_decay", [](auto& r) { r.with_step_decay(0.1, -1.0); }},
+        {"with_step_decay", [](auto& r) { r.with_step_decay(0.1, 0.0); }},
+        {"with_step_decay", [](auto& r) { r.with_step_decay(1.5, 2.0); }},
+        {"with_polynomial_decay", [](auto& r) { r.with_polynomial_decay(-1.0); }},
+        {"with_lr", [](auto& r) { r.with_lr(-0.1); }},
+        {"with_warmup_epochs", [](auto& r) { r.with_warmup_epochs(std::nan("")); }},
+        {"with_damping", [](auto& r) { r.with_damping(0.0); }},
+        {"with_damping_ramp", [](auto& r) { r.with_damping_ramp(-1.0, 1.0); }},
+        {"with_kl_clip", [](auto& r) { r.with_kl_clip(-1.0); }},
+        {"with_stale_fisher", [](auto& r) { r.with_stale_fisher(1.0, 0.0, 1.0); }},
+        {"with_inv_per_factor", [](auto& r) { r.with_inv_per_factor(0); }},
+        {"with_reference_batch", [](auto& r) { r.with_reference_batch(0); }},
+    };
+    for (const auto& [name, call] : bad) {
+      INFO(name);
+      auto r = base;
+      expect_error([&] { call(r); }, "", {"recipes::large_batch: " + name});
+      CHECK(r.step_decay_epochs == base.step_decay_epochs);
+      CHECK(r.lr_schedule()(500) == base.lr_schedule()(500));
+    }
+    CHECK(kfac::recipes::large_batch(4096, 14, 8).with_step_decay(0.1, 2.0).lr_schedule()(14 * 5) ==
+          Approx(0.1 * 16 * 0.01));
+  }
+  SECTION("two layers handed the same or overlapping gradient buffers (tied weights)") {
+    Pre pre(twin_options()), twin(twin_options());
+    for (Pre* p : {&pre, &twin}) {
+      p->register_layer<kfac::Dense>("enc", kfac::Dense(3, 2));
+      p->register_layer<kfac::Dense>("dec", kfac::Dense(3, 2));
+    }
+    Rng rng(7);
+    const auto x = random_view<double>(4, 3, rng), g = random_view<double>(4, 2, rng);
+    auto w = random_view<double>(2, 3, rng), w2 = random_view<double>(2, 3, rng);
+    auto b = random_vector<double>(2, rng), b2 = random_vector<double>(2, rng);
+    V1<double> flat("flat", 9);
+    const V2<double> first(flat.data(), 2, 3), shifted(flat.data() + 1, 2, 3);
+    for (Pre* p : {&pre, &twin})
+      for (const char* n : {"enc", "dec"}) {
+        p->observe_input(n, x);
+        p->observe_output_grad(n, g);
+      }
+    pre.set_gradient("enc", w, b);
+    expect_error([&] { pre.set_gradient("dec", w, b2); }, "dec", {"shares memory", "layer 'enc'", "tied weights"});
+    expect_error([&] { pre.set_gradient("dec", w2, b); }, "dec", {"shares memory", "layer 'enc'"});
+    expect_error([&] { pre.set_gradient("enc", first, V1<double>(flat.data() + 5, 2)); }, "enc",
+                 {"weight and bias gradients overlap"});
+    pre.set_gradient("enc", first, V1<double>(flat.data() + 6, 2));  // replaces its own: fine
+    expect_error([&] { pre.set_gradient("dec", shifted, b2); }, "dec", {"shares memory", "layer 'enc'"});
+    // Nothing was taken: "dec" still has no gradient, and the same call with its own buffer works.
+    expect_error([&] { pre.step(); }, "dec", {"no gradient was set"});
+    pre.set_gradient("enc", w, b);
+    pre.set_gradient("dec", w2, b2);
+    auto tw = random_view<double>(2, 3, rng), tw2 = random_view<double>(2, 3, rng);
+    auto tb = random_vector<double>(2, rng), tb2 = random_vector<double>(2, rng);
+    Kokkos::deep_copy(tw, w);
+    Kokkos::deep_copy(tw2, w2);
+    Kokkos::deep_copy(tb, b);
+    Kokkos::deep_copy(tb2, b2);
+    twin.set_gradient("enc", tw, tb);
+    twin.set_gradient("dec", tw2, tb2);
+    pre.step();
+    twin.step();
+    CHECK(same_bits(w, tw));
+    CHECK(same_bits(w2, tw2));
+  }
+  SECTION("Preconditioner<float> with finite gradients near float's range") {
+    using FPre = kfac::Preconditioner<float, Host>;
+    for (auto policy : {kfac::NonFinitePolicy::raise, kfac::NonFinitePolicy::skip}) {
+      INFO((policy == kfac::NonFinitePolicy::raise ? "raise" : "skip"));
+      FPre pre(kfac::Options{}.with_damping(1e-3).with_kl_clip(1e-3).with_nonfinite_policy(policy));
+      pre.register_layer<kfac::Dense>("fc", kfac::Dense(3, 2));
+      Rng rng(11);
+      Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> x("x", 4, 3), g("g", 4, 2), w("w", 2, 3);
+      Kokkos::View<float*, Kokkos::HostSpace> b("b", 2);
+      for (std::size_t i = 0; i < x.span(); ++i) x.data()[i] = float(rng.uniform());
+      for (std::size_t i = 0; i < g.span(); ++i) g.data()[i] = float(rng.uniform());
+      for (std::size_t i = 0; i < w.span(); ++i) w.data()[i] = (i % 2 ? -3e37f : 3e37f);
+      Kokkos::deep_copy(b, 3e37f);
+      const std::vector<float> given(w.data(), w.data() + w.span());
+      pre.observe_input("fc", x);
+      pre.observe_output_grad("fc", g);
+      pre.set_gradient("fc", w, b);
+      if (policy == kfac::NonFinitePolicy::raise) {
+        expect_error([&] { pre.step(); }, "fc", {"magnitude above", "overflow"});
+        CHECK(pre.step_count() == 0);
+        CHECK_FALSE(pre.layer("fc").has_factors());
+      } else {
+        pre.step();
+        CHECK(pre.skipped_steps() == 1);
+      }
+      for (std::size_t i = 0; i < w.span(); ++i) CHECK(std::isfinite(w.data()[i]));
+      CHECK(std::vector<float>(w.data(), w.data() + w.span()) == given);
+    }
   }
 }

@@ -144,7 +144,10 @@ TEST_CASE("a layer registered late on a subset of ranks is the same error on eve
   };
   if (subset) feed_late(p.pre, g);
   const Outcome o = attempt([&] { p.pre.step(); });
-  check_refused("late registration on a subset", o, "kfac: ranks registered different layers, shapes, methods or distribution options; the step was refused on every rank");
+  check_refused("late registration on a subset", o, "kfac: ranks registered different layers, shapes, methods or distribution options: ");
+  // The layer that differs is named first (issue 46), then its consequences.
+  CHECK(o.what.find("options: late.method (rank 0: (none), rank 1: dense(in=3,out=2,bias=1)") != std::string::npos);
+  CHECK(o.what.find("; the step was refused on every rank") != std::string::npos);
   CHECK(everywhere(p.pre.step_count() == kWarm));
   if (!subset) CHECK(saved(p.pre) == before);
   // Repair: the other ranks register the layer too (same position: last) and feed it.

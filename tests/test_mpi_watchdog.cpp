@@ -1,8 +1,9 @@
 // No collective waits forever, and misuse that used to hang, abort in MPI or drift silently is
-// a kfac::Error (issue 26): each case runs at 2-4 ranks under the ctest timeout with a 2 s
+// a kfac::Error (issues 26, 46): each case runs at 2-4 ranks under the ctest timeout with a 2 s
 // watchdog, checks what every rank saw and ends in a plain MPI_Barrier, so that a rank that
 // moved on waits for the one that is still timing out.
 #include <cstdlib>
+#include <functional>
 #include <sstream>
 
 #include "mpi_harness.hpp"
@@ -53,7 +54,35 @@ void check_refused(const char* fault, const Outcome& o, const std::string& expec
   CHECK(everywhere(o.seconds < kTimeout));
 }
 
+/// A run of `steps` steps on data `seed`, saved.
+std::string run(unsigned seed, long steps) {
+  Pre pre(options(), Host{}, watched());
+  const auto layers = net();
+  register_net(pre, layers);
+  for (long s = 0; s < steps; ++s) step_once(pre, layers, seed, s, rank_in());
+  return saved(pre);
+}
+
 }  // namespace
+
+TEST_CASE("a rank that loads another run's checkpoint is refused on every rank, naming it", "[mpi][load]") {
+  if (size_of() == 1) return;
+  const std::string mine = run(1, 3), other = run(2, 3);  // same layers, same step, other data
+  const int odd = size_of() - 1;
+  Pre pre(options(), Host{}, watched());
+  const auto layers = net();
+  register_net(pre, layers);
+  step_once(pre, layers, 3, 0, rank_in());
+  const std::string before = saved(pre);
+  const Outcome o = attempt([&] { loaded(pre, rank_in() == odd ? other : mine); });
+  check_refused("one rank loads another run's checkpoint", o, "loaded checkpoints of different content");
+  CHECK(has(o.what, "rank " + std::to_string(odd) + " loaded"));
+  CHECK(everywhere(saved(pre) == before && pre.step_count() == 1));
+  // The same checkpoint everywhere loads.
+  CHECK(everywhere(!attempt([&] { loaded(pre, mine); }).threw));
+  CHECK(everywhere(pre.step_count() == 3));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
 
 TEST_CASE("a parameter average reached on one rank only times out there, naming the call and the absent ranks",
           "[mpi][watchdog]") {
@@ -189,7 +218,62 @@ TEST_CASE("hyperparameters that differ by rank are the same error on every rank"
     const Grads kept = feed(pre, layers, 7, at, rank_in());  // the gradients must live until step() returns
     const Outcome o = attempt([&] { pre.step(); });
     check_refused(c.what, o, "ranks disagree on this step's hyperparameter values");
+    const std::string what = c.what;
+    const std::string named = has(what, "override") ? "fc1.damping" : what.substr(0, what.find(' '));
+    CHECK(has(o.what, named + " (rank 0: "));  // the setting that differs, by name
     CHECK(everywhere(saved(pre) == before && pre.step_count() == at));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_CASE("settings that change the result, differing by rank, are the same error on every rank, naming the setting",
+          "[mpi][watchdog]") {
+  if (size_of() == 1) return;
+  const bool me = rank_in() == size_of() - 1;
+  using Randomized = kfac::RandomizedEigen<>;
+  struct Case {
+    const char* what;  // also the setting the error must name
+    kfac::Options mine;
+    std::function<void(Pre&)> fc1;  // registers fc1
+  };
+  const auto plain = [](Pre& p) { p.register_layer("fc1", kfac::Dense(5, 4), kfac::KFAC<>{}); };
+  const std::vector<Case> cases = {
+      {"Options::precompute_reciprocal", options().with_precompute_reciprocal(me), plain},
+      {"Options::loss_reduction", me ? options().with_loss_reduction(kfac::LossReduction::mean) : options(), plain},
+      {"Options::max_damping_retries", options().with_max_damping_retries(me ? 1 : 3), plain},
+      {"fc1.rank",
+       options(),
+       [me](Pre& p) {
+         p.register_layer("fc1", kfac::Dense(5, 4), kfac::KFAC<kfac::Symmetric, Randomized>(Randomized{}.with_rank(me ? 2 : 3)));
+       }},
+      {"fc1.oversampling",
+       options(),
+       [me](Pre& p) {
+         p.register_layer("fc1", kfac::Dense(5, 4),
+                          kfac::KFAC<kfac::Symmetric, Randomized>(Randomized{}.with_rank(2).with_oversampling(me ? 1 : 2)));
+       }},
+      {"fc1.pi_damping",
+       options(),
+       [me](Pre& p) {
+         p.register_layer("fc1", kfac::Dense(5, 4),
+                          kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>>(kfac::Cholesky<>{}.with_pi_damping(!me)));
+       }},
+      {"fc1.inv_update_steps",
+       options(),
+       [me](Pre& p) { p.register_layer("fc1", kfac::Dense(5, 4), kfac::KFAC<>{}.with_inv_update_steps(me ? 3 : 2)); }},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    Pre pre(c.mine, Host{}, watched());
+    const auto layers = net();
+    c.fc1(pre);
+    pre.register_layer("fc2", kfac::Dense(4, 3), kfac::KFAC<>{});
+    const std::string before = saved(pre);
+    const Grads kept = feed(pre, layers, 7, 0, rank_in());
+    const Outcome o = attempt([&] { pre.step(); });
+    check_refused(c.what, o, c.what);
+    CHECK(has(o.what, "the step was refused on every rank"));
+    CHECK(everywhere(saved(pre) == before && pre.step_count() == 0));
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

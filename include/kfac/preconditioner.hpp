@@ -180,10 +180,14 @@ class Preconditioner {
   /// \brief The gradient to precondition in place at the next step(): the weight gradient
   /// (out, in) or, for Conv2d, (O, C, kh, kw); and the bias gradient (out), or an empty view
   /// for a layer without bias. For BatchNorm2d: (dgamma, dbeta). The views must stay valid
-  /// until step() returns.
+  /// until step() returns, and no two layers' gradients may share memory (tied weights: each
+  /// layer preconditions its own in place).
   template <class W, class B = Kokkos::View<Scalar*, memory_space>>
   void set_gradient(const std::string& name, const W& weight, const B& bias = B()) {
-    impl::take_gradient<Scalar, Exec>(reg_.at(name), weight, bias);
+    auto& entry = reg_.at(name);
+    if constexpr (Kokkos::is_view<W>::value && Kokkos::is_view<B>::value)
+      impl::check_gradient_not_shared(reg_, name, weight, bias);
+    impl::take_gradient<Scalar, Exec>(entry, weight, bias);
   }
 
   /// \brief Runs one step; see the class description. On a kfac::Error nothing changed.
@@ -207,8 +211,10 @@ class Preconditioner {
     }
     mine.registration = impl::fnv1a(registration_signature());
     mine.sequence = impl::sequence_hash(step_, due, options_);
+    mine.configuration = dist_.agreement_size() > 1 ? impl::fnv1a(configuration_text()) : 0;
     mine.client = client_;
-    if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size())) return skip_step();
+    const auto describe = [&] { return settings_text(v, due); };
+    if (impl::agree_on_step(dist_, mine, communicator().rank(), dist_.agreement_size(), describe)) return skip_step();
     if (!registration_checked_) check_registration();
     impl::StepPhases<Scalar, Exec, dist_type> phases(exec_, reg_, dist_, in_flight_, options_, due, step_);
     phases.update_statistics();
@@ -262,8 +268,10 @@ class Preconditioner {
   /// \brief Restores a state written by save() (format version 2, or 1 from kfac 0.1). Checks
   /// everything first and changes nothing if any check fails. Statistics restore at any world
   /// size; decompositions only when world size and rank match on every rank. Collective: a
-  /// checkpoint refused on one rank is refused on all. Returns true when the decompositions
-  /// were restored.
+  /// checkpoint refused on one rank is refused on all, and so are checkpoints whose replicated
+  /// content (step counters, schedules, averaged statistics: impl::replicated_hash) differs
+  /// between the ranks of a replica group, e.g. one rank handed another run's file. Returns
+  /// true when the decompositions were restored.
   bool load(std::istream& is) {
     [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::load (collective)");
     impl::CheckpointPlan cp;
@@ -276,9 +284,16 @@ class Preconditioner {
     if (!registration_checked_) check_registration();  // collective, like the rest of load()
     const bool mine = !refused && impl::decompositions_fit(cp, reg_, communicator().size(), communicator().rank(),
                                                            [&](std::size_t l) { return dist_.holds(l); });
-    const long verdict = dist_.agree_max(refused ? 2L : mine ? 0L : 1L);
+    // One collective: the verdict, and whether every rank loaded the same replicated content.
+    const int world = dist_.agreement_size();
+    const std::uint64_t content = refused || world == 1 ? 0 : impl::replicated_hash(cp, reg_);
+    long v[3] = {refused ? 2L : mine ? 0L : 1L, 0, 0};
+    impl::put_same_pair(v + 1, long(content));
+    if (world > 1) dist_.agree_max(v, 3);
+    const long verdict = v[0];
     if (refused) throw *refused;
     if (verdict == 2) throw Error("", "another rank refused its checkpoint; nothing was loaded");
+    if (world > 1 && !impl::same_on_every_rank(v + 1)) throw impl::content_differs(dist_, content, communicator().rank(), world);
     const bool restored =
         impl::apply_checkpoint(cp, reg_, in_flight_, verdict == 0, exec_, options_.precompute_reciprocal);
     step_ = cp.counters[0];
@@ -340,6 +355,32 @@ class Preconditioner {
     std::string sig = dist_.signature(options_);
     for (const auto& e : reg_.entries()) sig += e.block->name() + ":" + e.block->signature() + (e.skipped ? ":skip" : "") + ";";
     return sig;
+  }
+
+  /// Every setting that changes the result and is fixed at registration, by name: the Options
+  /// fields that are not hyperparameters and each layer's method settings (Block::settings).
+  std::string configuration_text() const {
+    std::string t = impl::options_text(options_);
+    for (const auto& e : reg_.entries()) t += impl::method_text(e.block->name() + ".", e.block->settings());
+    return t;
+  }
+  /// What the ranks agree on at step(), by name, compared only when a hash differs
+  /// (impl::differing_settings): the registration, the step's schedule and hyperparameter
+  /// values (each layer's, with its overrides), and configuration_text().
+  std::string settings_text(const StepValues& v, const std::vector<impl::Due>& due) const {
+    std::string t;  // the registration first: what differs there is named before its consequences
+    impl::put_setting(t, "distribution", dist_.signature(options_));
+    for (const auto& e : reg_.entries())
+      impl::put_setting(t, e.block->name() + ".method", e.block->signature() + (e.skipped ? " (skipped)" : ""));
+    impl::put_setting(t, "step", std::to_string(step_));
+    t += impl::values_text("", v);
+    for (std::size_t l = 0; l < reg_.size(); ++l) {
+      const std::string layer = reg_[l].block->name() + ".";
+      impl::put_setting(t, layer + "updates", std::string(due[l].factor ? "statistics" : "") + (due[l].inv ? " decomposition" : "") +
+                                                  (due[l].defer ? " deferred" : ""));
+      t += impl::values_text(layer, due[l].values);
+    }
+    return t + configuration_text();
   }
 
   void skip_step() {

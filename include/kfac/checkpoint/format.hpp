@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <ios>
 #include <istream>
 #include <ostream>
 #include <string>
@@ -127,21 +128,28 @@ inline void write_checkpoint(std::ostream& os, const std::vector<char>& body,
 /// `max_bytes`.
 inline std::vector<char> read_checkpoint(std::istream& is, std::uint32_t& version,
                                          std::uint64_t max_bytes = (1ull << 40)) {
+  // A stream with exceptions enabled (is.exceptions(failbit | badbit)) throws
+  // std::ios_base::failure where another sets failbit: both are the same kfac::Error.
+  auto read = [&](char* p, std::size_t n, const char* error) {
+    try {
+      is.read(p, std::streamsize(n));
+    } catch (const std::ios_base::failure&) {
+      throw Error("", error);
+    }
+    if (!is) throw Error("", error);
+  };
   char magic[8] = {};
-  is.read(magic, 8);
-  if (!is || std::memcmp(magic, checkpoint_magic, 8) != 0)
-    throw Error("", "not a kfac checkpoint (bad magic number)");
+  read(magic, 8, "not a kfac checkpoint (bad magic number)");
+  if (std::memcmp(magic, checkpoint_magic, 8) != 0) throw Error("", "not a kfac checkpoint (bad magic number)");
   std::uint32_t v = 0;
   std::uint64_t size = 0;
-  is.read(reinterpret_cast<char*>(&v), 4);
-  if (!is) throw Error("", "checkpoint is truncated (no version)");
+  read(reinterpret_cast<char*>(&v), 4, "checkpoint is truncated (no version)");
   if (v < oldest_checkpoint_version || v > checkpoint_version)
     throw Error("", "checkpoint version " + std::to_string(v) + " is not supported (expected " +
                         std::to_string(oldest_checkpoint_version) + " to " +
                         std::to_string(checkpoint_version) + ")");
   version = v;
-  is.read(reinterpret_cast<char*>(&size), 8);
-  if (!is) throw Error("", "checkpoint is truncated (no size)");
+  read(reinterpret_cast<char*>(&size), 8, "checkpoint is truncated (no size)");
   if (size > max_bytes) throw Error("", "checkpoint body size " + std::to_string(size) + " is implausible");
   std::vector<char> body;
   // Read in chunks so a corrupt size cannot force a huge allocation before the data is there.
@@ -150,12 +158,10 @@ inline std::vector<char> read_checkpoint(std::istream& is, std::uint32_t& versio
     const std::size_t n = std::min<std::uint64_t>(chunk, size - body.size());
     const std::size_t old = body.size();
     body.resize(old + n);
-    is.read(body.data() + old, std::streamsize(n));
-    if (!is) throw Error("", "checkpoint is truncated (body shorter than its header says)");
+    read(body.data() + old, n, "checkpoint is truncated (body shorter than its header says)");
   }
   std::uint64_t sum = 0;
-  is.read(reinterpret_cast<char*>(&sum), 8);
-  if (!is) throw Error("", "checkpoint is truncated (no checksum)");
+  read(reinterpret_cast<char*>(&sum), 8, "checkpoint is truncated (no checksum)");
   if (sum != fnv1a_bytes(body.data(), body.size()))
     throw Error("", "checkpoint checksum mismatch: the file is corrupt");
   return body;

@@ -266,6 +266,30 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
   return cp;
 }
 
+/// \brief Hash of what a checkpoint restores identically on every rank of a replica group
+/// (Preconditioner::load agrees on it): the step counters, each layer's schedule and whether it
+/// has statistics, and its averaged statistics (BlockDescription::averaged, the first buffers of
+/// its state: what the ranks average after every update, and what save() shares first under
+/// reduce_to_owner). Left out, as they legitimately differ by rank: the decompositions (per
+/// rank, restored only at the same world size and rank), the world size and rank written, a
+/// method's private state (NG-SGD's subspaces, never averaged) and the in-flight decompositions.
+template <class Scalar, class Exec>
+std::uint64_t replicated_hash(const CheckpointPlan& cp, const Registry<Scalar, Exec>& reg) {
+  std::string s;
+  auto put = [&s](const void* p, std::size_t n) { s.append(static_cast<const char*>(p), n); };
+  put(cp.counters, sizeof(cp.counters));
+  for (std::size_t l = 0; l < cp.layers.size(); ++l) {
+    const auto& p = cp.layers[l];
+    const long schedule[] = {p.schedule.next_factor, p.schedule.next_inv, p.schedule.last_factor, p.schedule.last_inv};
+    if (p.has_schedule) put(schedule, sizeof(schedule));
+    s += char(p.has_state);
+    const auto& shapes = reg[l].block->checkpoint_shapes();
+    const std::size_t averaged = std::min(reg[l].block->description().averaged.size(), p.state.size());
+    for (std::size_t k = 0; k < averaged; ++k) put(p.state[k], shapes[k].first * shapes[k].second);
+  }
+  return fnv1a(s);
+}
+
 /// True when this rank's checkpoint can restore its decompositions under the current work
 /// assignment: same world size and rank, and a decomposition for every layer the rank holds.
 template <class Scalar, class Exec, class Holds>

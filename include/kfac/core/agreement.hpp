@@ -1,17 +1,23 @@
 #pragma once
 /// \file agreement.hpp
 /// \brief The one agreement at the top of every step(): each rank's local verdict (its
-/// validation error, whether it saw NaN/Inf under the skip policy, a hash of its registration
-/// and a hash of everything that decides the step's sequence of collectives) is combined in a
+/// validation error, whether it saw NaN/Inf under the skip policy, a hash of its registration,
+/// a hash of everything that decides the step's sequence of collectives, of the step's
+/// hyperparameter values and of every other setting that changes the result) is combined in a
 /// single small allreduce, so that every rank throws the same kfac::Error, or skips, together —
-/// a fault on one rank never leaves the others waiting in a collective.
+/// a fault on one rank never leaves the others waiting in a collective. Only when the hashes
+/// differ does a second exchange compare the settings by name (differing_settings), so that the
+/// error names the setting.
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "kfac/core/block.hpp"
 #include "kfac/core/hash.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/error.hpp"
@@ -25,6 +31,8 @@ struct LocalVerdict {
   bool poisoned = false;       ///< NaN/Inf seen under NonFinitePolicy::skip
   std::uint64_t registration = 0, sequence = 0;
   std::uint64_t settings = 0;  ///< settings_hash(): the step's hyperparameter values
+  /// Hash of configuration_text(): the Options fields and every method setting
+  std::uint64_t configuration = 0;
   long client = 0;             ///< which preconditioner of the communicator steps (next_client_of)
 };
 
@@ -65,6 +73,121 @@ inline void put_same_pair(long* pair, long v) {
 /// After the allreduce_max: whether every rank passed the same value in this pair.
 inline bool same_on_every_rank(const long* pair) { return pair[0] == ~pair[1]; }
 
+/// Appends the line `name=value` to a settings text (the form differing_settings compares).
+inline void put_setting(std::string& text, const std::string& name, const std::string& value) {
+  text += name + "=" + value + "\n";
+}
+/// The Options fields that are not hyperparameters (those enter values_text at each step), by name.
+inline std::string options_text(const Options& o) {
+  std::string t, skip;
+  for (const auto& s : o.skip_layers) skip += (skip.empty() ? "" : ",") + s;
+  const std::pair<const char*, std::string> fields[] = {
+      {"loss_reduction", std::to_string(int(o.loss_reduction))},
+      {"precompute_reciprocal", std::to_string(int(o.precompute_reciprocal))},
+      {"skip_layers", skip},
+      {"grad_worker_fraction", number(o.grad_worker_fraction)},
+      {"assignment_cost", std::to_string(int(o.assignment_cost))},
+      {"colocate_factors", std::to_string(int(o.colocate_factors))},
+      {"group_layout", std::to_string(int(o.group_layout))},
+      {"bucket_bytes", std::to_string(o.bucket_bytes)},
+      {"reduce_to_owner", std::to_string(int(o.reduce_to_owner))},
+      {"split_preconditioning", std::to_string(int(o.split_preconditioning))},
+      {"comm_precision", std::to_string(int(o.comm_precision))},
+      {"nonfinite", std::to_string(int(o.nonfinite))},
+      {"max_damping_retries", std::to_string(o.max_damping_retries)},
+      {"damping_retry_factor", number(o.damping_retry_factor)},
+      {"decomposition_delay", std::to_string(o.decomposition_delay)},
+      {"background_sharing", std::to_string(int(o.background_sharing))},
+      {"overlap_communication", std::to_string(int(o.overlap_communication))},
+  };
+  for (const auto& [name, value] : fields) put_setting(t, std::string("Options::") + name, value);
+  return t;
+}
+/// The hyperparameter values of one step, by name, each prefixed by `prefix` (a layer's name and a dot, or "").
+inline std::string values_text(const std::string& prefix, const StepValues& v) {
+  std::string t;
+  put_setting(t, prefix + "lr", number(v.lr));
+  put_setting(t, prefix + "damping", number(v.damping));
+  put_setting(t, prefix + "factor_decay", number(v.factor_decay));
+  put_setting(t, prefix + "kl_clip", number(v.kl_clip));
+  put_setting(t, prefix + "factor_update_steps", std::to_string(v.factor_update_steps));
+  put_setting(t, prefix + "inv_update_steps", std::to_string(v.inv_update_steps));
+  return t;
+}
+/// A method's settings ("name=value,...", Block::settings) as lines, each named `prefix` + name.
+inline std::string method_text(const std::string& prefix, const std::string& settings) {
+  std::string t;
+  for (std::size_t at = 0; at < settings.size();) {
+    std::size_t end = settings.find(',', at);
+    if (end == std::string::npos) end = settings.size();
+    t += prefix + settings.substr(at, end - at) + "\n";
+    at = end + 1;
+  }
+  return t;
+}
+
+/// The settings of `mine` that differ from `root`'s (both settings texts), named, e.g.
+/// "Options::precompute_reciprocal (rank 0: 0, rank 1: 1)"; at most three, then "...".
+inline std::string settings_diff(const std::string& root, const std::string& mine, int rank) {
+  auto parse = [](const std::string& text) {
+    std::vector<std::pair<std::string, std::string>> lines;
+    for (std::size_t at = 0; at < text.size();) {
+      std::size_t end = text.find('\n', at);
+      if (end == std::string::npos) end = text.size();
+      const std::string line = text.substr(at, end - at);
+      const std::size_t eq = line.find('=');
+      lines.emplace_back(line.substr(0, eq), eq == std::string::npos ? "" : line.substr(eq + 1));
+      at = end + 1;
+    }
+    return lines;
+  };
+  const auto theirs = parse(root), ours = parse(mine);
+  std::string out;
+  int found = 0;
+  auto add = [&](const std::string& name, const std::string& a, const std::string& b) {
+    if (++found <= 3)
+      out += (out.empty() ? "" : "; ") + name + " (rank 0: " + a + ", rank " + std::to_string(rank) + ": " + b + ")";
+  };
+  for (const auto& [name, value] : ours) {
+    const auto it = std::find_if(theirs.begin(), theirs.end(), [&](const auto& l) { return l.first == name; });
+    if (it == theirs.end()) add(name, "(none)", value);
+    else if (it->second != value) add(name, it->second, value);
+  }
+  for (const auto& [name, value] : theirs)
+    if (std::none_of(ours.begin(), ours.end(), [&](const auto& l) { return l.first == name; })) add(name, value, "(none)");
+  if (found > 3) out += "; and " + std::to_string(found - 3) + " more";
+  return out;
+}
+
+/// Collective over `dist`, on a mismatch only: rank 0's settings text (`text` there) goes to
+/// every rank, each compares its own, and the lowest rank that differs tells every rank which
+/// settings differ (settings_diff). Empty when no named setting differs.
+template <class Dist>
+std::string differing_settings(const Dist& dist, const std::string& text, int rank, int world) {
+  const std::string diff = settings_diff(dist.share_message(rank == 0 ? text : "", 0), text, rank);
+  long first = diff.empty() ? 0L : long(world - rank);
+  dist.agree_max(&first, 1);
+  if (first == 0) return "";
+  const int root = world - int(first);
+  return dist.share_message(rank == root ? diff : "", root);
+}
+
+/// The error of a collective load whose ranks loaded different replicated content (`mine`:
+/// this rank's impl::replicated_hash): a second exchange, only then, names the ranks whose
+/// content differs from rank 0's. Collective over `dist`.
+template <class Dist>
+Error content_differs(const Dist& dist, std::uint64_t mine, int rank, int world) {
+  const bool differs = dist.share_message(rank == 0 ? std::to_string(mine) : "", 0) != std::to_string(mine);
+  long d[2] = {differs ? long(world - rank) : 0L, differs ? long(rank) : -1L};
+  dist.agree_max(d, 2);
+  const long first = world - d[0], last = d[1];
+  const std::string ranks = first == last ? "rank " + std::to_string(first)
+                                          : "ranks " + std::to_string(first) + " to " + std::to_string(last) + " (some)";
+  return Error("", "the ranks loaded checkpoints of different content: " + ranks +
+                       " loaded step counters, schedules or averaged statistics that differ from rank 0's (a "
+                       "checkpoint of another run, or of another step?); nothing was loaded on any rank");
+}
+
 /// Hash of the hyperparameter values in force at this step: the global ones and every
 /// layer's (its overrides), so that ranks given different lr, damping, kl_clip, factor_decay
 /// or intervals refuse the step together instead of drifting apart.
@@ -93,20 +216,23 @@ std::uint64_t sequence_hash(long step, const DueList& due, const Options& o) {
 }
 
 /// Combines the verdicts of all ranks of `dist` (one allreduce; a broadcast more only when
-/// some rank failed). Throws the same kfac::Error on every rank; returns true when the step
-/// is to be skipped everywhere.
-template <class Dist>
-bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int world) {
+/// some rank failed, and a comparison of the settings by name only when some hash differs:
+/// `describe()` returns this rank's settings text, every setting as a `name=value` line).
+/// Throws the same kfac::Error on every rank; returns true when the step is to be skipped
+/// everywhere.
+template <class Dist, class Describe>
+bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int world, const Describe& describe) {
   if (world == 1) {
     if (mine.error) throw *mine.error;
     return mine.poisoned;
   }
-  long v[10] = {mine.error ? long(world - rank) : 0L, mine.poisoned ? 1L : 0L};
+  long v[12] = {mine.error ? long(world - rank) : 0L, mine.poisoned ? 1L : 0L};
   put_same_pair(v + 2, long(mine.registration));
   put_same_pair(v + 4, long(mine.sequence));
   put_same_pair(v + 6, long(mine.settings));
   put_same_pair(v + 8, mine.client);
-  dist.agree_max(v, 10);
+  put_same_pair(v + 10, long(mine.configuration));
+  dist.agree_max(v, 12);
   if (v[0] > 0) {  // the lowest failing rank tells everyone what it saw
     const int root = world - int(v[0]);
     const std::string layer = dist.share_message(mine.error && rank == root ? mine.error->layer() : "", root);
@@ -117,17 +243,20 @@ bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int wor
     throw Error("", "two preconditioners that share one communicator were stepped in different orders on "
                     "different ranks (this rank stepped its preconditioner number " + std::to_string(mine.client) +
                     " of this communicator); the step was refused on every rank");
+  const char* what = nullptr;
   if (!same_on_every_rank(v + 2))
-    throw Error("", "ranks registered different layers, shapes, methods or distribution options; "
-                    "the step was refused on every rank");
-  if (!same_on_every_rank(v + 4))
-    throw Error("", "ranks disagree on this step's schedule or communication options (step count, "
-                    "statistics/decomposition steps, bucket_bytes, comm_precision, nonfinite policy); "
-                    "the step was refused on every rank");
-  if (!same_on_every_rank(v + 6))
-    throw Error("", "ranks disagree on this step's hyperparameter values (lr, damping, factor_decay, kl_clip, "
-                    "update intervals, or a layer's override of them); the step was refused on every rank");
-  return v[1] > 0;
+    what = "ranks registered different layers, shapes, methods or distribution options";
+  else if (!same_on_every_rank(v + 4))
+    what = "ranks disagree on this step's schedule or communication options (step count, "
+           "statistics/decomposition steps, bucket_bytes, comm_precision, nonfinite policy)";
+  else if (!same_on_every_rank(v + 6))
+    what = "ranks disagree on this step's hyperparameter values (lr, damping, factor_decay, kl_clip, "
+           "update intervals, or a layer's override of them)";
+  else if (!same_on_every_rank(v + 10))
+    what = "ranks disagree on settings that change the result (Options fields or a layer's method settings)";
+  if (what == nullptr) return v[1] > 0;
+  const std::string named = differing_settings(dist, describe(), rank, world);
+  throw Error("", std::string(what) + (named.empty() ? "" : ": " + named) + "; the step was refused on every rank");
 }
 
 }  // namespace impl

@@ -3,6 +3,7 @@
 /// \brief The per-layer block interface every method implements, and the description of a block
 /// that the core, the distribution, checkpoints and the cost model read.
 #include <cstddef>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -132,6 +133,13 @@ class UnitState {
   virtual std::vector<Buffer> buffers() = 0;
 };
 
+/// A setting's value as the settings descriptions spell it: every digit of a double (%.17g).
+inline std::string number(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.17g", v);
+  return b;
+}
+
 /// \brief What a block is, fixed when it is built: its method's constructor fills it, and the
 /// core, the distribution, checkpoints and the cost model read it instead of asking the block.
 struct BlockDescription {
@@ -139,6 +147,10 @@ struct BlockDescription {
   /// Layer type, shape, method, its settings and precision: equal on every rank that
   /// registered the same layer (the registration agreement compares it).
   std::string signature;
+  /// Every setting of the method by name ("name=value,..."; empty when the signature holds them
+  /// all): the step's agreement compares them across ranks and names one that differs. Kept
+  /// apart from the signature, which checkpoints hold and compare as kfac 0.1 wrote it.
+  std::string settings;
   index_t rows = 0, cols = 0;  ///< the weight gradient's shape
   bool bias = false;
   std::vector<BufferShape> checkpoint;  ///< the shapes of checkpoint_state()'s buffers
@@ -218,6 +230,7 @@ class Block {
   const BlockDescription& description() const { return description_; }
   const char* kind() const { return description_.kind; }
   const std::string& signature() const { return description_.signature; }
+  const std::string& settings() const { return description_.settings; }
   index_t weight_rows() const { return description_.rows; }
   index_t weight_cols() const { return description_.cols; }
   bool has_bias() const { return description_.bias; }

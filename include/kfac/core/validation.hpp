@@ -3,8 +3,12 @@
 /// \brief Checks at the public boundary: what a view handed to the Preconditioner must be.
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "kfac/core/block.hpp"
 #include "kfac/core/options.hpp"
@@ -55,6 +59,48 @@ Tensor4<Scalar, Exec> as_tensor(const std::string& name, const View& v, const ch
 
 template <class Scalar, class Exec, class Entry, class W, class B>
 void take_checked_gradient(Entry& entry, const W& weight, const B& bias);
+
+/// The bytes [first, last) of a view's values.
+template <class V>
+std::pair<const char*, const char*> bytes_of(const V& v) {
+  const char* p = reinterpret_cast<const char*>(v.data());
+  return {p, p + v.span() * sizeof(typename V::value_type)};
+}
+inline bool overlap(std::pair<const char*, const char*> a, std::pair<const char*, const char*> b) {
+  return a.first < a.second && b.first < b.second && a.first < b.second && b.first < a.second;
+}
+/// Refuses a gradient of layer `name` that shares memory with its own other half or with a
+/// gradient set for another layer this step (tied weights): each layer preconditions its
+/// gradient in place, so the second would precondition the first one's output.
+template <class Registry, class W, class B>
+void check_gradient_not_shared(const Registry& reg, const std::string& name, const W& weight, const B& bias) {
+  const auto w = bytes_of(weight), b = bytes_of(bias);
+  if (overlap(w, b)) throw Error(name, "the weight and bias gradients overlap in memory");
+  for (const auto& e : reg.entries()) {
+    if (!e.has_gradient || e.block->name() == name) continue;
+    for (const auto& theirs : {bytes_of(e.w), bytes_of(e.b)})
+      if (overlap(w, theirs) || overlap(b, theirs))
+        throw Error(name, "the gradient shares memory with the gradient set for layer '" + e.block->name() +
+                              "' (tied weights?): each layer preconditions its gradient in place, so two layers "
+                              "must not be handed the same buffer; give each its own copy");
+  }
+}
+
+/// The largest gradient magnitude layer `e` preconditions without overflow at `damping`: every
+/// method's preconditioner is a damped inverse with norm <= 1/damping (the decomposition's
+/// damping, when smaller), so \f$|V| \le \sqrt{n} \max|X| / \gamma\f$ must fit the apply's
+/// type and the caller's, and the KL-clip sum \f$\langle V, X\rangle \le n \max|X|^2 / \gamma\f$
+/// a double (n: the gradient's values with its bias).
+template <class Entry>
+double gradient_limit(const Entry& e, double damping) {
+  using Scalar = typename std::decay_t<decltype(e.w)>::non_const_value_type;
+  const auto& block = *e.block;
+  const double n = double(block.weight_rows()) * double(block.weight_cols() + (block.has_bias() ? 1 : 0));
+  double top = double(std::numeric_limits<Scalar>::max());
+  if (block.plan().apply.scalar == sizeof(float)) top = std::min(top, double(std::numeric_limits<float>::max()));
+  const double g = std::min(1.0, e.decomposition_damping > 0 ? std::min(damping, e.decomposition_damping) : damping);
+  return std::min(top * g / std::sqrt(n), std::sqrt(std::numeric_limits<double>::max() * g / n));
+}
 
 /// Checks a (weight, bias) gradient against the block's shape and stores it in `entry`.
 template <class Scalar, class Exec, class Entry, class W, class B>
@@ -109,9 +155,16 @@ void validate_step(const Registry& reg, const DueList& due, const Options& o, co
     if (!e.has_gradient)
       throw Error(n, "no gradient was set for step " + std::to_string(step) + " (call set_gradient before step)");
     if (o.nonfinite == NonFinitePolicy::raise) {
-      const long bad = count_nonfinite(exec, e.w) + count_nonfinite(exec, e.b);
-      if (bad > 0)
-        throw Error(n, "gradient contains " + std::to_string(bad) + " NaN/Inf value(s) at step " + std::to_string(step));
+      const double limit = gradient_limit(e, due[l].values.damping);
+      if (count_beyond(exec, e.w, limit) + count_beyond(exec, e.b, limit) > 0) {
+        const long bad = count_nonfinite(exec, e.w) + count_nonfinite(exec, e.b);
+        if (bad > 0)
+          throw Error(n, "gradient contains " + std::to_string(bad) + " NaN/Inf value(s) at step " + std::to_string(step));
+        throw Error(n, "gradient has values of magnitude above " + std::to_string(limit) + " at step " +
+                           std::to_string(step) + ": preconditioned at damping " + std::to_string(due[l].values.damping) +
+                           " they could overflow the gradient's type or the KL-clip sum (|V| <= sqrt(n) max|X| / "
+                           "damping); the step was refused and the gradient left as given");
+      }
     }
     if (due[l].factor && !poisoned) {
       const ObservationCheck pending = e.block->check_observations();
@@ -136,14 +189,15 @@ bool check_finite(const Exec& exec, const Options& o, const std::string& name, c
   throw Error(name, std::string(what) + " contains " + std::to_string(bad) + " NaN/Inf value(s); the observation was not used");
 }
 
-/// True when some layer's gradient has NaN/Inf, or its due observations would overflow the
+/// True when some layer's gradient has NaN/Inf or values beyond gradient_limit(), or its due observations would overflow the
 /// statistics' type or the communication payload.
 template <class Registry, class DueList, class Exec>
 bool nonfinite_step(const Registry& reg, const DueList& due, const Exec& exec, double payload_max) {
   for (std::size_t l = 0; l < reg.size(); ++l) {
     const auto& e = reg[l];
     if (e.skipped) continue;
-    if (e.has_gradient && (count_nonfinite(exec, e.w) > 0 || count_nonfinite(exec, e.b) > 0)) return true;
+    const double limit = gradient_limit(e, due[l].values.damping);
+    if (e.has_gradient && (count_beyond(exec, e.w, limit) > 0 || count_beyond(exec, e.b, limit) > 0)) return true;
     if (!due[l].factor) continue;
     const ObservationCheck pending = e.block->check_observations();
     if (pending.overflow || !(pending.scale <= payload_max)) return true;

@@ -197,7 +197,7 @@ class MpiComm {
     void release() {
       int finalized = 0;
       MPI_Finalized(&finalized);
-      if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
+      if (comm_ != MPI_COMM_NULL && !finalized && !impl::Abandoned::instance().any()) MPI_Comm_free(&comm_);
       comm_ = MPI_COMM_NULL;
     }
     MPI_Comm comm_ = MPI_COMM_NULL;
@@ -235,6 +235,7 @@ class MpiComm {
             "MPI_Ibcast");
       // No busy polling: this thread runs beside the step's computation.
       const double late = impl::poll_requests(&r, 1, "MPI_Ibcast", timeout, impl::PollPace{0.0, 1000, 1}, [] {});
+      if (late >= 0) impl::Abandoned::instance().keep(std::make_shared<MPI_Request>(r), std::max(1.0, timeout), "a background broadcast timed out");
       if (late >= 0)
         throw Error("", "MpiComm: a background broadcast of a decomposition (MPI_Ibcast from group rank " +
                             std::to_string(root_index) + ") did not complete within " + std::to_string(timeout) +
@@ -387,15 +388,16 @@ class MpiComm {
       MPI_Op_create(&impl::bf16_sum, 1, &bf16_op);
       int provided = MPI_THREAD_SINGLE;
       MPI_Query_thread(&provided);
-      int all = provided == MPI_THREAD_MULTIPLE ? 1 : 0;
-      check(MPI_Iallreduce(MPI_IN_PLACE, &all, 1, MPI_INT, MPI_MIN, comm, &r), "MPI_Iallreduce");
-      dog.wait(&r, 1, "MPI_Allreduce (MpiComm's constructor)", comm);
-      multiple = all == 1;
+      auto all = std::make_shared<int>(provided == MPI_THREAD_MULTIPLE ? 1 : 0);  // kept if abandoned
+      check(MPI_Iallreduce(MPI_IN_PLACE, all.get(), 1, MPI_INT, MPI_MIN, comm, &r), "MPI_Iallreduce");
+      dog.wait(&r, 1, "MPI_Allreduce (MpiComm's constructor)", comm, all);
+      multiple = *all == 1;
     }
     ~State() {
       int finalized = 0;
       MPI_Finalized(&finalized);
-      if (finalized) return;
+      // After a timeout a late peer may still complete a collective on these: keep them.
+      if (finalized || impl::Abandoned::instance().any()) return;
       MPI_Op_free(&bf16_op);
       if (dog.watch != MPI_COMM_NULL) MPI_Comm_free(&dog.watch);
       if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
@@ -438,13 +440,21 @@ class MpiComm {
     ++state_->messages;
   }
   static void check(int rc, const char* what) { impl::check_mpi(rc, what); }
-  /// MPI_Allreduce as MPI_Iallreduce under the watchdog (on kfac's communicator, or `c`).
+  /// MPI_Allreduce as MPI_Iallreduce under the watchdog (on kfac's communicator, or `c`), in
+  /// a staging copy that the watchdog keeps if a late peer leaves it pending (the callers' values
+  /// are a few longs on their stack).
   void allreduce(const void* in, void* out, int n, MPI_Datatype type, MPI_Op op, MPI_Comm c = MPI_COMM_NULL) const {
     state_->dog.check_usable();
     if (c == MPI_COMM_NULL) c = state_->comm;
+    int size = 0;
+    MPI_Type_size(type, &size);
+    const std::size_t bytes = std::size_t(n) * std::size_t(size);
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(in == MPI_IN_PLACE ? out : in),
+                                                      static_cast<const char*>(in == MPI_IN_PLACE ? out : in) + bytes);
     MPI_Request r;
-    check(MPI_Iallreduce(in, out, n, type, op, c, &r), "MPI_Iallreduce");
-    state_->dog.wait(&r, 1, "MPI_Allreduce", c);
+    check(MPI_Iallreduce(MPI_IN_PLACE, staged->data(), n, type, op, c, &r), "MPI_Iallreduce");
+    state_->dog.wait(&r, 1, "MPI_Allreduce", c, staged);
+    std::memcpy(out, staged->data(), bytes);
   }
   /// `s` of member `root` of `c` on every member (two broadcasts: length, bytes).
   std::string bcast_string(const std::string& s, int root, MPI_Comm c) const {
@@ -471,16 +481,10 @@ class MpiComm {
   /// MPI_Comm_idup under `dog`. The new handle is written where MPI may still write it after
   /// a timeout (a late peer completes the duplication): kept until the program ends then.
   static MPI_Comm idup(MPI_Comm of, impl::Watchdog& dog, const char* call) {
-    static std::vector<std::unique_ptr<MPI_Comm>> abandoned;
-    auto out = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
+    auto out = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
     MPI_Request r;
     check(MPI_Comm_idup(of, out.get(), &r), "MPI_Comm_idup");
-    try {
-      dog.wait(&r, 1, call, of);
-    } catch (...) {
-      abandoned.push_back(std::move(out));
-      throw;
-    }
+    dog.wait(&r, 1, call, of, out);
     return *out;
   }
   /// An empty Request of collective `call` on `c`, counted as started.
@@ -489,16 +493,23 @@ class MpiComm {
     ++state_->started;
     return Request(std::shared_ptr<impl::Watchdog>(state_, &state_->dog), call, c);
   }
+  /// Broadcasts of up to 64 KiB (lengths, messages) go through a staging copy that the watchdog
+  /// keeps if a late peer leaves them pending; larger ones (a preconditioner's statistics and
+  /// decompositions) use the caller's memory.
   void bcast(void* data, std::size_t bytes, int root_index, MPI_Comm c) const {
     state_->dog.check_usable();
     auto* p = static_cast<char*>(data);
     const std::size_t per = count_broadcast(bytes, root_index, c);
     if (per == 0) return;
+    const bool small = bytes <= (std::size_t(1) << 16);
+    auto staged = small ? std::make_shared<std::vector<char>>(p, p + bytes) : nullptr;
+    char* at = small ? staged->data() : p;
     impl::for_each_piece(bytes, per, [&](std::size_t off, int n) {
       MPI_Request r;
-      check(MPI_Ibcast(p + off, n, MPI_BYTE, root_index, c, &r), "MPI_Ibcast");
-      state_->dog.wait(&r, 1, "MPI_Bcast", c);
+      check(MPI_Ibcast(at + off, n, MPI_BYTE, root_index, c, &r), "MPI_Ibcast");
+      state_->dog.wait(&r, 1, "MPI_Bcast", c, staged);
     });
+    if (small) std::memcpy(p, staged->data(), bytes);
   }
   /// bcast() as MPI_Ibcast requests added to `r`.
   void post_broadcast(Request& r, void* data, std::size_t bytes, int root_index, MPI_Comm c) const {

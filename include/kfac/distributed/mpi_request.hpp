@@ -53,6 +53,10 @@ class MpiRequest {
   /// behind, or the next collective on its group would not match.
   ~MpiRequest() {
     if (requests_.empty() && !pending_bcast_) return;
+    if (dog_->broken()) {  // the communicator is unusable: waiting would only time out again
+      abandon();
+      return;
+    }
     try {
       wait();
     } catch (...) {  // timed out while another error unwinds: the communicator is unusable
@@ -72,8 +76,20 @@ class MpiRequest {
   bool holds_back() const { return pending_bcast_; }
   /// Completes the request (and a sum's broadcast) under the watchdog's deadline.
   void wait() {
+    if ((!requests_.empty() || pending_bcast_) && dog_->broken()) {
+      abandon();
+      dog_->check_usable();
+    }
     for (;;) {
-      if (!requests_.empty()) dog_->wait(requests_.data(), int(requests_.size()), call_, comm_);
+      if (!requests_.empty()) {
+        try {
+          dog_->wait(requests_.data(), int(requests_.size()), call_, comm_, layout());
+        } catch (...) {  // abandoned by the watchdog, with the layout MPI may still read
+          requests_.clear();
+          pending_bcast_ = false;
+          throw;
+        }
+      }
       requests_.clear();
       if (!pending_bcast_) return;
       start_pending();
@@ -102,6 +118,17 @@ class MpiRequest {
     count_ = count;
     per_ = per;
     type_ = t;
+  }
+  /// The counts and offsets of an MPI_Iallgatherv, moved (their storage stays where MPI reads it)
+  /// into an owner the watchdog keeps if the requests are abandoned.
+  std::shared_ptr<void> layout() {
+    return std::make_shared<std::pair<std::vector<int>, std::vector<int>>>(std::move(counts_), std::move(offsets_));
+  }
+  /// Leaves the requests to a late peer (impl::Abandoned), with the layout MPI may still read.
+  void abandon() {
+    if (!requests_.empty()) dog_->abandon(requests_.data(), int(requests_.size()), layout());
+    requests_.clear();
+    pending_bcast_ = false;
   }
   void start_pending() {
     pending_bcast_ = false;

@@ -17,16 +17,27 @@
 ///
 /// A collective that timed out cannot be cancelled (MPI has no such call): the communicator is
 /// then unusable, every later collective on it throws at once, and the job should end
-/// (MPI_Abort), as PyTorch's watchdog ends it.
+/// (MPI_Abort), as PyTorch's watchdog ends it. A late peer may still complete the abandoned
+/// collective whenever MPI progresses (in any later MPI call, MPI_Finalize included), so what it
+/// needs stays alive until the process ends (impl::Abandoned): its request, the staging buffer
+/// of every blocking kfac collective (MpiComm copies small payloads into one), and every kfac
+/// communicator (none is freed once something was abandoned). A peer that learns of the
+/// timeout (the question the late rank was asked is waiting for it) throws too, at its next
+/// kfac collective. And MPI_Finalize cannot hang on a peer that never arrives: once something
+/// was abandoned, a process still inside MPI_Finalize a deadline after it began prints why and
+/// ends with exit code 1 (mpiexec then ends the job).
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <list>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -54,6 +65,66 @@ inline double default_comm_timeout() {
 inline void check_mpi(int rc, const char* what) {
   if (rc != MPI_SUCCESS) throw Error("", std::string(what) + " failed with code " + std::to_string(rc));
 }
+
+/// \brief What timed-out collectives still need, kept until the process ends: a late peer may
+/// complete them in any later MPI call. One per process (never destroyed: MPI_Finalize and
+/// static destructors may run in any order); thread-safe (background broadcasts time out on
+/// their own thread).
+class Abandoned {
+ public:
+  static Abandoned& instance() {
+    static Abandoned* one = new Abandoned();  // never destroyed, on purpose
+    return *one;
+  }
+  /// Keeps `what` (requests, buffers, a communicator handle) alive for ever; arms the
+  /// MPI_Finalize guard with `grace` seconds (see finalizing) and `why` for its message.
+  void keep(std::shared_ptr<void> what, double grace, const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (what) kept_.push_back(std::move(what));
+    any_ = true;
+    grace_ = std::max(grace_, grace);
+    if (why_.empty()) why_ = why;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (armed_ || finalized) return;
+    armed_ = true;
+    std::atexit([] { instance().exiting_ = true; });
+    // MPI_Finalize first frees MPI_COMM_SELF, which calls the delete callbacks of its attributes.
+    int key = MPI_KEYVAL_INVALID;
+    if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &Abandoned::finalizing, &key, nullptr) == MPI_SUCCESS)
+      MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr);
+  }
+  /// True once some collective was abandoned: communicators are then never freed (a pending
+  /// collective on a freed communicator crashes MPI when it completes).
+  bool any() const { return any_; }
+
+ private:
+  Abandoned() = default;
+  /// At the start of MPI_Finalize: a watcher thread ends the process with exit code 1 if it is
+  /// still running `grace` seconds later (a peer that never arrives keeps MPI_Finalize waiting).
+  static int finalizing(MPI_Comm, int, void*, void*) {
+    Abandoned& a = instance();
+    const double grace = a.grace_;
+    const std::string why = a.why_;
+    std::thread([grace, why] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(grace));
+      if (instance().exiting_) return;
+      std::fprintf(stderr,
+                   "kfac: MPI_Finalize did not complete within %g s after a kfac collective timed out (%s): ending "
+                   "this process with exit code 1\n",
+                   grace, why.c_str());
+      std::fflush(stderr);
+      std::_Exit(1);
+    }).detach();
+    return MPI_SUCCESS;
+  }
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<void>> kept_;
+  std::atomic<bool> any_{false}, exiting_{false};
+  bool armed_ = false;
+  double grace_ = 0;
+  std::string why_;
+};
 
 /// How a wait polls: it looks at the clock every `every` polls; after `busy` seconds (polling
 /// without pause, as MPI's blocking calls do) it sleeps there, from 20 us doubling up to
@@ -102,10 +173,14 @@ class Watchdog {
   void check_usable() const {
     if (!broken_.empty()) throw Error("", broken_ + " (an earlier collective timed out; nothing more was sent)");
   }
+  /// True once a collective timed out, here or on a peer that asked this rank.
+  bool broken() const { return !broken_.empty(); }
 
   /// Completes the `n` requests of collective `call` on `on` (kfac's communicator or one of its
-  /// groups), or throws when the deadline passes.
-  void wait(MPI_Request* r, int n, const char* call, MPI_Comm on) {
+  /// groups), or throws when the deadline passes, or when a peer gave up on kfac's
+  /// communicator (it asked this rank why it was late). `keep`: what the requests write into
+  /// or read from, kept alive for ever if they are abandoned (null: the caller's memory).
+  void wait(MPI_Request* r, int n, const char* call, MPI_Comm on, std::shared_ptr<void> keep = nullptr) {
     if (n == 0) return;
     if (on == comm) ++seq_;
     if (!(timeout > 0)) {
@@ -113,8 +188,18 @@ class Watchdog {
       return;
     }
     Waiting here(*this, call);
+    answer_questions();  // a peer that gave up before this collective began: it cannot complete
+    if (!gave_up_.empty()) give_up(r, n, std::move(keep));
     const double late = poll_requests(r, n, call, timeout, PollPace{}, [this] { answer_questions(); });
-    if (late >= 0) time_out(on, late);
+    if (late >= 0) time_out(on, late, r, n, std::move(keep));
+    if (!gave_up_.empty()) give_up(r, n, nullptr);  // completed, but the peer has gone
+  }
+  /// Keeps `n` requests that will never be waited for, and `keep`, until the process ends
+  /// (Abandoned).
+  void abandon(const MPI_Request* r, int n, std::shared_ptr<void> keep) {
+    auto what = std::make_shared<std::pair<std::vector<MPI_Request>, std::shared_ptr<void>>>(
+        std::vector<MPI_Request>(r, r + n), std::move(keep));
+    Abandoned::instance().keep(what, std::max(1.0, timeout), broken_);
   }
 
   /// Answers the questions of peers that timed out (from inside a wait).
@@ -132,6 +217,10 @@ class Watchdog {
       if (!flag) return;
       long question = 0;
       MPI_Recv(&question, 1, MPI_LONG, st.MPI_SOURCE, kQuery, watch, MPI_STATUS_IGNORE);
+      // Only a rank whose deadline passed asks: it has given up on kfac's communicator.
+      if (gave_up_.empty())
+        gave_up_ = "rank " + std::to_string(st.MPI_SOURCE) + " timed out in its kfac collective number " +
+                   std::to_string(question) + " on this communicator and gave up on it";
       sent_.emplace_back();
       Answer& a = sent_.back();
       a.report = report();
@@ -159,7 +248,7 @@ class Watchdog {
 
   long seq_ = 0, question_ = 0;
   const char* call_ = nullptr;
-  std::string broken_;
+  std::string broken_, gave_up_;
   std::list<Answer> sent_;
 
   std::string describe() const {
@@ -172,15 +261,30 @@ class Watchdog {
     return r;
   }
 
-  [[noreturn]] void time_out(MPI_Comm on, double waited) {
+  int my_rank() const {
     int me = 0;
     MPI_Comm_rank(comm != MPI_COMM_NULL ? comm : MPI_COMM_WORLD, &me);
+    return me;
+  }
+  [[noreturn]] void time_out(MPI_Comm on, double waited, MPI_Request* r, int n, std::shared_ptr<void> keep) {
+    const int me = my_rank();
     char secs[64];
     std::snprintf(secs, sizeof(secs), "%.3g s (timeout %g s)", waited, timeout);
     broken_ = "MpiComm: " + describe() + " on rank " + std::to_string(me) + " did not complete within " + secs +
               ": " + ask_peers(on, me) +
               "; kfac's collectives on this communicator cannot be used any more (an MPI collective cannot be "
               "cancelled): end the job, e.g. with MPI_Abort";
+    abandon(r, n, std::move(keep));
+    throw Error("", broken_);
+  }
+  /// A peer gave up (gave_up_): this rank's collective is abandoned where it stands.
+  [[noreturn]] void give_up(MPI_Request* r, int n, std::shared_ptr<void> keep) {
+    broken_ = "MpiComm: " + describe() + " on rank " + std::to_string(my_rank()) + ": " + gave_up_ +
+              "; kfac's collectives on this communicator cannot be used any more: end the job, e.g. with MPI_Abort";
+    int done = 0;
+    MPI_Testall(n, r, &done, MPI_STATUSES_IGNORE);
+    if (!done) abandon(r, n, std::move(keep));
+    else Abandoned::instance().keep(nullptr, std::max(1.0, timeout), broken_);
     throw Error("", broken_);
   }
 

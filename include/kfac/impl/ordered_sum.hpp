@@ -143,5 +143,21 @@ long count_nonfinite(const Exec& exec, const V& v) {
   return bad;
 }
 
+/// Counts the entries of a view that are NaN/Inf or of magnitude above `limit`, on its
+/// execution space (the pass of count_nonfinite, one comparison more).
+template <class Exec, class V>
+long count_beyond(const Exec& exec, const V& v, double limit) {
+  long bad = 0;
+  const auto* p = v.data();
+  Kokkos::parallel_reduce(
+      "kfac::check::beyond", Kokkos::RangePolicy<Exec>(exec, 0, long(v.span())),
+      KOKKOS_LAMBDA(long i, long& s) {
+        const double x = double(p[i]);
+        s += (x <= limit && x >= -limit) ? 0 : 1;
+      },
+      bad);
+  return bad;
+}
+
 }  // namespace impl
 }  // namespace kfac

@@ -43,7 +43,7 @@ namespace recipes {
 /// | long | reference_batch | the batch `lr` and `kl_clip` were tuned at | 256 |
 /// | double | lr | learning rate at the reference batch (scaled by batch / reference_batch) | 0.1 |
 /// | double | warmup_epochs | linear warm-up from lr to the scaled rate | 0.25 |
-/// | double | decay_power | polynomial decay power from the warm-up's end to `epochs` (0: step decay instead) | 2 |
+/// | double | decay_power | polynomial decay power from the warm-up's end to `epochs` (unless step decay is on) | 2 |
 /// | double | final_lr_fraction | the decayed rate at `epochs`, as a fraction of the scaled rate | 0.01 |
 /// | double | step_decay_factor, step_decay_epochs | step decay: rate times factor every this many epochs after the warm-up | 0.1, 0 (off) |
 /// | double | damping | damping after the ramp | 0.01 |
@@ -76,37 +76,59 @@ struct LargeBatch {
   double max_interval_epochs = 0.5;
   long inv_per_factor = 1;
 
-  LargeBatch& with_reference_batch(long b) { reference_batch = b; return *this; }
-  LargeBatch& with_lr(double v) { lr = v; return *this; }
-  LargeBatch& with_warmup_epochs(double e) { warmup_epochs = e; return *this; }
+  /// Each `with_*` call checks its arguments (and the recipe they make, check()) and leaves the
+  /// recipe as it was when it throws.
+  LargeBatch& with_reference_batch(long b) {
+    return set("with_reference_batch", [&](LargeBatch& r) { r.reference_batch = b; });
+  }
+  LargeBatch& with_lr(double v) { return set("with_lr", [&](LargeBatch& r) { r.lr = v; }); }
+  LargeBatch& with_warmup_epochs(double e) {
+    return set("with_warmup_epochs", [&](LargeBatch& r) { r.warmup_epochs = e; });
+  }
   /// \brief Polynomial decay with this power to `final_fraction` of the scaled rate (the default plan).
   LargeBatch& with_polynomial_decay(double power, double final_fraction = 0.01) {
-    decay_power = power;
-    final_lr_fraction = final_fraction;
-    step_decay_epochs = 0;
-    return *this;
+    if (!(power >= 0) || !std::isfinite(power))
+      refuse("with_polynomial_decay: power = " + std::to_string(power) + ": expected a finite value >= 0");
+    return set("with_polynomial_decay", [&](LargeBatch& r) {
+      r.decay_power = power;
+      r.final_lr_fraction = final_fraction;
+      r.step_decay_epochs = 0;
+    });
   }
-  /// \brief Step decay instead: the rate times `factor` every `every_epochs` after the warm-up.
+  /// \brief Step decay instead: the rate times `factor` every `every_epochs` (> 0) after the warm-up.
   LargeBatch& with_step_decay(double factor, double every_epochs) {
-    step_decay_factor = factor;
-    step_decay_epochs = every_epochs;
-    return *this;
+    if (!(every_epochs > 0) || !std::isfinite(every_epochs))
+      refuse("with_step_decay: every_epochs = " + std::to_string(every_epochs) +
+             ": expected a finite number of epochs > 0 (with_polynomial_decay selects the other plan)");
+    return set("with_step_decay", [&](LargeBatch& r) {
+      r.step_decay_factor = factor;
+      r.step_decay_epochs = every_epochs;
+    });
   }
   /// \brief Damping `value` after the ramp (see damping_start).
-  LargeBatch& with_damping(double value) { damping = value; return *this; }
+  LargeBatch& with_damping(double value) { return set("with_damping", [&](LargeBatch& r) { r.damping = value; }); }
   LargeBatch& with_damping_ramp(double start_value, double over_epochs) {
-    damping_start = start_value;
-    damping_epochs = over_epochs;
-    return *this;
+    return set("with_damping_ramp", [&](LargeBatch& r) {
+      r.damping_start = start_value;
+      r.damping_epochs = over_epochs;
+    });
   }
-  LargeBatch& with_kl_clip(double value, double power = 1.0) { kl_clip = value; kl_clip_power = power; return *this; }
+  LargeBatch& with_kl_clip(double value, double power = 1.0) {
+    return set("with_kl_clip", [&](LargeBatch& r) {
+      r.kl_clip = value;
+      r.kl_clip_power = power;
+    });
+  }
   LargeBatch& with_stale_fisher(double fresh, double double_every, double max_interval) {
-    fresh_epochs = fresh;
-    double_every_epochs = double_every;
-    max_interval_epochs = max_interval;
-    return *this;
+    return set("with_stale_fisher", [&](LargeBatch& r) {
+      r.fresh_epochs = fresh;
+      r.double_every_epochs = double_every;
+      r.max_interval_epochs = max_interval;
+    });
   }
-  LargeBatch& with_inv_per_factor(long k) { inv_per_factor = k; return *this; }
+  LargeBatch& with_inv_per_factor(long k) {
+    return set("with_inv_per_factor", [&](LargeBatch& r) { r.inv_per_factor = k; });
+  }
 
   /// \brief The clock of this run (steps_per_epoch).
   schedules::EpochClock clock() const { return schedules::EpochClock(steps_per_epoch); }
@@ -179,10 +201,32 @@ struct LargeBatch {
     if (!(warmup_epochs >= 0) || !(warmup_epochs <= epochs)) bad("warmup_epochs must lie in [0, epochs]");
     if (!(final_lr_fraction > 0) || !(final_lr_fraction <= 1)) bad("final_lr_fraction must lie in (0, 1] (the rate stays > 0)");
     if (step_decay_epochs > 0 && !(step_decay_factor > 0 && step_decay_factor <= 1)) bad("step_decay_factor must lie in (0, 1]");
-    if (!(damping > 0) || !(damping_start >= 0)) bad("damping must be > 0 and damping_start >= 0");
-    if (!(damping_epochs >= 0) || !(fresh_epochs >= 0) || !(double_every_epochs > 0) || !(max_interval_epochs >= 0))
-      bad("epoch lengths must be >= 0 (double_every_epochs > 0)");
+    if (!(decay_power >= 0) || !std::isfinite(decay_power)) bad("decay_power must be a finite value >= 0");
+    if (!(step_decay_epochs >= 0) || !std::isfinite(step_decay_epochs)) bad("step_decay_epochs must be a finite value >= 0");
+    if (!(damping > 0) || !(damping_start >= 0) || !std::isfinite(damping) || !std::isfinite(damping_start))
+      bad("damping must be a finite value > 0 and damping_start a finite value >= 0");
+    if (!(kl_clip >= 0) || !std::isfinite(kl_clip) || !std::isfinite(kl_clip_power))
+      bad("kl_clip must be a finite value >= 0 and its power finite");
+    const double lengths[] = {damping_epochs, fresh_epochs, double_every_epochs, max_interval_epochs};
+    for (double e : lengths)
+      if (!(e >= 0) || !std::isfinite(e)) bad("epoch lengths must be finite values >= 0 (double_every_epochs > 0)");
+    if (!(double_every_epochs > 0)) bad("epoch lengths must be finite values >= 0 (double_every_epochs > 0)");
     if (inv_per_factor < 1) bad("inv_per_factor must be >= 1");
+  }
+
+ private:
+  [[noreturn]] static void refuse(const std::string& what) { throw Error("", "recipes::large_batch: " + what); }
+  /// Applies `change` to a copy, checks it, and only then keeps it.
+  template <class F>
+  LargeBatch& set(const char* call, F&& change) {
+    LargeBatch next = *this;
+    change(next);
+    try {
+      next.check();
+    } catch (const Error& e) {
+      refuse(std::string(call) + ": " + impl::bare_message(e).substr(std::string("recipes::large_batch: ").size()));
+    }
+    return *this = next;
   }
 };
 

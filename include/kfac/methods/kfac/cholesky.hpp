@@ -26,6 +26,8 @@ namespace impl {
 template <class Policy>
 struct PiDamping {
   bool pi_damping = true;
+  /// The setting by name, for the agreement of settings across ranks (impl::agree_on_step).
+  std::string describe() const { return "pi_damping=" + std::to_string(int(pi_damping)); }
   Policy& with_pi_damping(bool on) {
     pi_damping = on;
     return static_cast<Policy&>(*this);

@@ -134,6 +134,10 @@ struct Eigendecomposition {
     if (refresh_tolerance > 0) s += std::string(s.empty() ? "" : ",") + "refresh=" + std::to_string(refresh_tolerance);
     return s;
   }
+  /// Every setting by name, for the agreement of settings across ranks (impl::agree_on_step).
+  std::string describe() const {
+    return "jacobi_sweeps=" + std::to_string(jacobi_sweeps) + ",refresh_tolerance=" + impl::number(refresh_tolerance);
+  }
   /// Buffers of one factorization of an n x n factor: Q and lambda.
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n, std::size_t(n)}; }
   /// Relative cost of one decomposition of an n x n factor, and of what it stores.

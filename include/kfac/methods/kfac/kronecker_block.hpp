@@ -128,6 +128,7 @@ class KroneckerBlock final : public impl::KroneckerStatistics<LayerType, FactorP
     else settings = inversion.settings();
     d.signature = layer.describe() + "/" + FactorPolicy::name + "/" + InversePolicy::name +
                   (settings.empty() ? "" : "[" + settings + "]") + statistics::precision_signature();
+    d.settings = inversion.describe();
     const std::size_t a = std::size_t(na), g = std::size_t(ng);
     d.memory.holder_workspace = g * a * sizeof(D);
     if (InversePolicy::damping_at_apply) d.memory.precomputed = g * a * sizeof(D);

@@ -46,6 +46,11 @@ struct NewtonSchulz : impl::PiDamping<NewtonSchulz>, impl::ExplicitInverseRows {
     if (pi_damping) s += s.empty() ? "pi" : ",pi";
     return s;
   }
+  /// Every setting by name, for the agreement of settings across ranks (impl::agree_on_step).
+  std::string describe() const {
+    return "max_iterations=" + std::to_string(max_iterations) + ",tolerance=" + impl::number(tolerance) + "," +
+           impl::PiDamping<NewtonSchulz>::describe();
+  }
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
   /// Two n^3 GEMMs per iteration (about 30 iterations in practice: the cost model assumes
   /// MachineFigures::newton_schulz_iterations); the assignment balances n^3 either way.

@@ -387,6 +387,12 @@ struct RandomizedEigen {
     if (seed != default_seed) s += ",seed=" + std::to_string(seed);
     return s;
   }
+  /// Every setting by name, for the agreement of settings across ranks (impl::agree_on_step).
+  std::string describe() const {
+    return "rank=" + std::to_string(rank) + ",oversampling=" + std::to_string(oversampling) +
+           ",power_iterations=" + std::to_string(power_iterations) + ",warm_start=" + std::to_string(int(warm_start)) +
+           ",factored_damping=" + std::to_string(int(factored_damping)) + ",seed=" + std::to_string(seed);
+  }
   /// The settings of a layer with factors of a_dim and g_dim: "exact" when both are decomposed
   /// exactly (rank >= both), where no other setting changes the result ("exact,factored" with
   /// factored damping); else settings().

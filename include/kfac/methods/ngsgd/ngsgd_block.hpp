@@ -24,11 +24,7 @@ struct NGSGDSettings {
   double symmetry_breaker = 1.1;  ///< first entry of each row of the starting basis
   impl::ngsgd::Recurrence recurrence{};
   std::string describe() const {
-    auto num = [](double v) {
-      char b[32];
-      std::snprintf(b, sizeof b, "%.17g", v);
-      return std::string(b);
-    };
+    const auto num = impl::number;
     const auto& r = recurrence;
     return "rank_in=" + std::to_string(rank_in) + ",rank_out=" + std::to_string(rank_out) +
            ",period=" + std::to_string(update_period) + ",history=" + num(r.num_samples_history) +
@@ -104,6 +100,7 @@ class NGSGDBlock final : public impl::Block<Scalar, Exec> {
     impl::BlockDescription d;
     d.kind = LayerType::kind;
     d.signature = layer.describe() + "/ngsgd[" + s.describe() + "]/s" + std::to_string(sizeof(Scalar));
+    d.settings = s.describe();
     d.rows = layer.weight_rows();
     d.cols = layer.weight_cols();
     d.bias = layer.bias();
