@@ -75,18 +75,24 @@ void run(const Args& a, bool background, Times& t, double& sink) {
   std::mt19937 gen(17u + unsigned(rank));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   auto fill = [&](V2 v) { for (std::size_t i = 0; i < v.span(); ++i) v.data()[i] = normal(gen); };
-  V2 x("x", a.batch, a.width), g("g", a.batch, a.width), w("w", a.width, a.width);
-  Kokkos::View<float*, Kokkos::HostSpace> b("b", a.width);
+  V2 x("x", a.batch, a.width), g("g", a.batch, a.width);
+  // Each layer its own gradient buffers: set_gradient refuses two layers handed the same memory.
+  std::vector<V2> ws;
+  std::vector<Kokkos::View<float*, Kokkos::HostSpace>> bs;
+  for (int l = 0; l < a.layers; ++l) {
+    ws.emplace_back("w", a.width, a.width);
+    bs.emplace_back("b", a.width);
+  }
   for (int s = 0; s < a.steps; ++s) {
     sink += host_work(a.host_ms);
     for (int l = 0; l < a.layers; ++l) {
       const std::string name = "fc" + std::to_string(l);
       fill(x);
       fill(g);
-      fill(w);
+      fill(ws[l]);
       pre.observe_input(name, x);
       pre.observe_output_grad(name, g);
-      pre.set_gradient(name, w, b);
+      pre.set_gradient(name, ws[l], bs[l]);
     }
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = wall_ms();
