@@ -148,13 +148,17 @@ inline std::string settings_diff(const std::string& root, const std::string& min
     if (++found <= 3)
       out += (out.empty() ? "" : "; ") + name + " (rank 0: " + a + ", rank " + std::to_string(rank) + ": " + b + ")";
   };
-  for (const auto& [name, value] : ours) {
+  // Named pairs, not structured bindings: C++17 lambdas may not capture those (clang refuses).
+  for (const auto& line : ours) {
+    const std::string& name = line.first;
     const auto it = std::find_if(theirs.begin(), theirs.end(), [&](const auto& l) { return l.first == name; });
-    if (it == theirs.end()) add(name, "(none)", value);
-    else if (it->second != value) add(name, it->second, value);
+    if (it == theirs.end()) add(name, "(none)", line.second);
+    else if (it->second != line.second) add(name, it->second, line.second);
   }
-  for (const auto& [name, value] : theirs)
-    if (std::none_of(ours.begin(), ours.end(), [&](const auto& l) { return l.first == name; })) add(name, value, "(none)");
+  for (const auto& line : theirs) {
+    const std::string& name = line.first;
+    if (std::none_of(ours.begin(), ours.end(), [&](const auto& l) { return l.first == name; })) add(name, line.second, "(none)");
+  }
   if (found > 3) out += "; and " + std::to_string(found - 3) + " more";
   return out;
 }
