@@ -92,7 +92,7 @@ TEST_CASE("P ranks train like one process on the whole batch, and agree bit for 
   // Haswell, Zen, SkylakeX and Cooperlake kernels (OPENBLAS_CORETYPE), first or last of 10 steps:
   //   sgd 5.5e-7, adam 3.9e-4, kfac eigen 4.0e-4, kfac cholesky 1.1e-3.
   // The losses' loss_drift() stays far below the weights' drift(): worst over np 2, 3 and 4 with
-  // the Prescott, Sandybridge, Haswell and Zen kernels (2026-12-07), sgd 1.2e-7, adam 9.2e-7,
+  // the Prescott, Sandybridge, Haswell and Zen kernels (2026-12-06), sgd 1.2e-7, adam 9.2e-7,
   // kfac eigen 1.0e-6, cholesky 6.0e-6, randomized 1.0e-4 (SkylakeX, reported: 1.3e-4), so the
   // same tolerance holds it with 25x or more to spare.
   // Adam's is all in single weights whose gradient is rounding noise near its eps (1e-8): there
