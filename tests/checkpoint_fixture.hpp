@@ -82,7 +82,7 @@ double relative_difference(const std::string& got, const std::string& want) {
 /// Largest relative_difference allowed between a continuation and the same steps computed with
 /// other BLAS kernels (the fixture writer's machine, or a replay here), by the precision of the
 /// run's statistics, T. Worst over the Prescott, Sandybridge, Haswell and Zen kernels
-/// (OPENBLAS_CORETYPE, 2026-12-07), against the `.expected` files and a replay: float statistics
+/// (OPENBLAS_CORETYPE, 2026-12-06), against the `.expected` files and a replay: float statistics
 /// 2.5e-6 with a float Scalar and 5.8e-7 with a double one (float factors of a MixedPrecision
 /// layer, which reach every value through the KL clip's shared scale); double statistics 1.5e-15.
 template <class T>

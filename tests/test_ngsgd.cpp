@@ -149,7 +149,7 @@ struct DenseCase {
   // Of the estimates and of the preconditioned gradient (a smooth function of them: the solve
   // with F, rescaled to the gradient's norm). Batches smaller than the rank leave near-equal
   // d_i, whose basis the rounding of each BLAS kernel picks differently: 1e-7 there. Worst over
-  // the Prescott, Sandybridge, Haswell and Zen kernels (OPENBLAS_CORETYPE, 2026-12-07): estimates
+  // the Prescott, Sandybridge, Haswell and Zen kernels (OPENBLAS_CORETYPE, 2026-12-06): estimates
   // 1.5e-8 and gradients 1.6e-9 with near-equal d_i, 1.8e-14 and 1.1e-15 otherwise.
   double tol = 1e-9;
   int data_rank = 0;  // > 0: inputs of this rank (the floors of c and rho then bind)
