@@ -13,6 +13,7 @@
 #        scripts/kernel_labels.sh cover <file>...   a greedy cover: the fewest files, in order,
 #                                                   whose labels together are the union of all
 #        scripts/kernel_labels.sh list <file>       the labels one file holds
+#        scripts/kernel_labels.sh executables <dir> the suite's executables in a build folder
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 mode=${1:-}
@@ -22,6 +23,8 @@ shift || true
 # Labels of host-only code, not compiled for a device backend.
 host_only=${KFAC_HOST_ONLY_LABELS:-}
 
+# The suite's executables in a build folder: tests, example tests, benchmarks, the demos.
+executables() { find "$1" -type f -perm -u+x \( -name 'test_*' -o -name 'examples_*' -o -name 'bench*' -o -name '*fashion_mnist' \); }
 labels_in() { strings -a "$1" | grep -oE '^kfac::[a-z_0-9]+::[a-z_0-9:]+$' | sort -u; }
 library_labels() {
   grep -rhoE '"kfac::[a-z_0-9]+::[a-z_0-9:]+"' "$root/include/kfac" | tr -d '"' | sort -u
@@ -29,10 +32,11 @@ library_labels() {
 
 case "$mode" in
   list) labels_in "$1" ;;
+  executables) executables "$1" ;;
   check)
     ref=$1
     shift
-    mapfile -t ref_files < <(find "$ref" -type f -perm -u+x \( -name 'test_*' -o -name 'examples_*' -o -name 'bench*' -o -name '*fashion_mnist' \))
+    mapfile -t ref_files < <(executables "$ref")
     [ ${#ref_files[@]} -gt 0 ] || { echo "kernel_labels: no executables in the reference build $ref" >&2; exit 2; }
     have=$(for f in "$@"; do labels_in "$f"; done | sort -u)
     want=$(comm -12 <(library_labels) <(for f in "${ref_files[@]}"; do labels_in "$f"; done | sort -u))

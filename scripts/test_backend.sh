@@ -81,14 +81,16 @@ if [ "$backend" = openmp ]; then
   phase ctest
 else
   built=()
-  # shellcheck disable=SC2086
-  for t in $targets; do
-    [ "$t" = all ] && break
-    f=$(find "$build" -type f -name "$t" -perm -u+x | head -n 1)
-    [ -n "$f" ] || { log "cuda: $t was not built"; exit 1; }
-    built+=("$f")
-  done
-  [ "$targets" = all ] && mapfile -t built < <(find "$build" -type f -perm -u+x \( -name 'test_*' -o -name 'examples_*' -o -name 'bench*' -o -name '*fashion_mnist' \))
+  if [ "$targets" = all ]; then
+    mapfile -t built < <("$root/scripts/kernel_labels.sh" executables "$build")
+  else
+    # shellcheck disable=SC2086
+    for t in $targets; do
+      f=$(find "$build" -type f -name "$t" -perm -u+x | head -n 1)
+      [ -n "$f" ] || { log "cuda: $t was not built"; exit 1; }
+      built+=("$f")
+    done
+  fi
   serial=${KFAC_BUILD_DIR:-$root/build}  # scripts/test.sh's build, which CI runs first
   if [ -n "${KFAC_BACKEND_TARGETS:-}" ] && [ "$targets" != all ]; then
     log "cuda: KFAC_BACKEND_TARGETS given: kernel labels not checked"
