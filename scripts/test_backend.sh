@@ -82,7 +82,7 @@ if [ "$backend" = openmp ]; then
 else
   built=()
   if [ "$targets" = all ]; then
-    mapfile -t built < <("$root/scripts/kernel_labels.sh" executables "$build")
+    mapfile -t built < <(bash "$root/scripts/kernel_labels.sh" executables "$build")
   else
     # shellcheck disable=SC2086
     for t in $targets; do
@@ -95,7 +95,7 @@ else
   if [ -n "${KFAC_BACKEND_TARGETS:-}" ] && [ "$targets" != all ]; then
     log "cuda: KFAC_BACKEND_TARGETS given: kernel labels not checked"
   elif [ -d "$serial/tests" ]; then
-    "$root/scripts/kernel_labels.sh" check "$serial" "${built[@]}"
+    bash "$root/scripts/kernel_labels.sh" check "$serial" "${built[@]}"
   else
     log "cuda: no Serial build in $serial to compare kernel labels with (run scripts/test.sh first): not checked"
   fi
