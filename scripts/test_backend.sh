@@ -75,8 +75,10 @@ fi
 if [ "$backend" = openmp ]; then
   cd "$build"
   only=()
+  # Each target's tests: its own name and the MPI tests' rank counts, as in scripts/sanitize.sh
+  # (not other executables that share a prefix).
   # shellcheck disable=SC2086
-  [ "$targets" = all ] || only=(-R "^($(echo $targets | tr ' ' '|'))(_.*)?\$")
+  [ "$targets" = all ] || only=(-R "^($(echo $targets | tr ' ' '|'))(_thread_single)?(_np[0-9]+)?\$")
   OMP_NUM_THREADS=2 OMP_PROC_BIND=false ctest --output-on-failure -j "${KFAC_TEST_JOBS:-1}" "${only[@]}"
   phase ctest
 else
