@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds kfac with its tests, examples and benchmarks, and runs the
-# whole test suite under ctest. Usage: scripts/test.sh [extra cmake args]
+# whole test suite under ctest, as many tests at once as the machine has cores (a test of several
+# processes holds one core per process: PROCESSORS). Usage: scripts/test.sh [extra cmake args]
+#   KFAC_TEST_JOBS  ctest's parallelism (default: nproc)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${KFAC_BUILD_DIR:-$root/build}
@@ -10,4 +12,4 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKFAC_ENABLE_TESTS=ON \
   -DKFAC_ENABLE_EXAMPLES=ON -DKFAC_ENABLE_BENCHMARKS=ON "${ccache_args[@]}" "$@"
 cmake --build "$build" -j "$(nproc)"
 cd "$build"
-ctest --output-on-failure -j "${KFAC_TEST_JOBS:-1}"
+ctest --output-on-failure -j "${KFAC_TEST_JOBS:-$(nproc)}"

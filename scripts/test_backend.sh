@@ -54,12 +54,12 @@ phase configure
 # What each leg builds by default (the whole suite stays in the Serial leg, scripts/test.sh):
 # OpenMP: the Serial-vs-OpenMP comparison of every policy combination, the MPI suite, deferred
 #   decompositions on a second host thread next to OpenMP's, and the demo trained data-parallel.
-# CUDA: units that together compile every labelled kernel and allocation of include/kfac
-#   (scripts/kernel_labels.sh checks it below), and the examples' network library.
+# CUDA: three units that together compile every labelled kernel and allocation of include/kfac
+#   (scripts/kernel_labels.sh checks it below): the backend comparison, the demo with the examples'
+#   network library, and tests/kernel_coverage.cpp for the rest.
 # KFAC_BACKEND_TARGETS overrides the list; KFAC_BACKEND_TARGETS=all builds everything.
 openmp_targets="test_backend_equivalence test_mpi_distributed test_deferred examples_test_data_parallel"
-cuda_targets="test_backend_equivalence test_cost_model test_mpi_core test_mpi_parameter_averager test_dense_preconditioning
-              test_adapters fashion_mnist examples_test_fdg_stage"
+cuda_targets="test_backend_equivalence fashion_mnist kernel_coverage"
 if [ "$backend" = openmp ]; then targets=${KFAC_BACKEND_TARGETS:-$openmp_targets}; else targets=${KFAC_BACKEND_TARGETS:-$cuda_targets}; fi
 if [ "$targets" = all ]; then
   cmake --build "$build" -j "$jobs"

@@ -8,6 +8,7 @@
 #   KFAC_BUILD_DIR        the built tree (scripts/test.sh's, default $root/build)
 #   KFAC_CORETYPES        the families to run (default: every one /proc/cpuinfo allows)
 #   KFAC_CORETYPE_TESTS   ctest -R regex of the numerical tests (default below)
+#   KFAC_TEST_JOBS        ctest's parallelism (default: nproc; MPI tests hold one core per rank)
 # Exits non-zero, naming them, if any family fails or is not the one OpenBLAS then uses.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -66,7 +67,7 @@ for c in "${coretypes[@]}"; do
   echo "== OPENBLAS_CORETYPE=$c"
   start=$(date +%s)
   rc=0
-  (cd "$build" && OPENBLAS_CORETYPE=$c ctest --output-on-failure -j "${KFAC_TEST_JOBS:-1}" -R "$tests" "$@") || rc=$?
+  (cd "$build" && OPENBLAS_CORETYPE=$c ctest --output-on-failure -j "${KFAC_TEST_JOBS:-$(nproc)}" -R "$tests" "$@") || rc=$?
   seconds=$(($(date +%s) - start))
   if [ "$rc" = 0 ]; then summary+=("$c: passed in ${seconds} s"); else
     summary+=("$c: FAILED in ${seconds} s")
