@@ -49,8 +49,6 @@ if [ "$backend" = cuda ]; then
   cmake_args+=(-DCMAKE_CXX_COMPILER="$prefix/bin/nvcc_wrapper" -DCMAKE_CXX_FLAGS=-arch=sm_80
                -DKFAC_WARNINGS_AS_ERRORS=ON)
 fi
-cmake -S "$root" -B "$build" "${cmake_args[@]}" "$@"
-phase configure
 # What each leg builds by default (the whole suite stays in the Serial leg, scripts/test.sh):
 # OpenMP: the Serial-vs-OpenMP comparison of every policy combination, the MPI suite, deferred
 #   decompositions on a second host thread next to OpenMP's, and the demo trained data-parallel.
@@ -61,11 +59,14 @@ phase configure
 openmp_targets="test_backend_equivalence test_mpi_distributed test_deferred examples_test_data_parallel"
 cuda_targets="test_backend_equivalence fashion_mnist kernel_coverage"
 if [ "$backend" = openmp ]; then targets=${KFAC_BACKEND_TARGETS:-$openmp_targets}; else targets=${KFAC_BACKEND_TARGETS:-$cuda_targets}; fi
+# The chosen targets build side by side as the dependencies of one target, kfac_target_set.
+if [ "$targets" = all ]; then cmake_args+=(-DKFAC_TARGET_SET=); else cmake_args+=("-DKFAC_TARGET_SET=${targets// /;}"); fi
+cmake -S "$root" -B "$build" "${cmake_args[@]}" "$@"
+phase configure
 if [ "$targets" = all ]; then
   cmake --build "$build" -j "$jobs"
 else
-  # shellcheck disable=SC2086
-  cmake --build "$build" -j "$jobs" --target $targets
+  cmake --build "$build" -j "$jobs" --target kfac_target_set
 fi
 phase build
 if [ ${#ccache_args[@]} -gt 0 ]; then
