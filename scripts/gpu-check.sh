@@ -32,8 +32,9 @@ say "$(nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,nohea
 
 build=${KFAC_GPU_BUILD_DIR:-$root/build-gpu}
 checks=(test_backend_equivalence test_linalg test_core test_dense_preconditioning
-        test_mpi_comm_precision_np2 test_mpi_parameter_averager_np2)
-targets="test_backend_equivalence test_linalg test_core test_dense_preconditioning test_mpi_comm_precision test_mpi_parameter_averager benchmark_phases"
+        test_mpi_comm_precision_np2 test_mpi_parameter_averager_np2 kernel_coverage_np2)
+targets="test_backend_equivalence test_linalg test_core test_dense_preconditioning test_mpi_comm_precision test_mpi_parameter_averager
+         kernel_coverage benchmark_phases"
 
 start=$(date +%s)
 # Kokkos 3.4 knows no architecture past Ampere: the sm_80 code is also embedded as PTX, which

@@ -47,7 +47,7 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O0 -g1" -DKFAC_TEST_OPTIMIZATION= -DCMAKE_CXX_FLAGS="-Wno-maybe-uninitialized" \
   -DKFAC_ENABLE_SANITIZERS=ON -DKFAC_ENABLE_TESTS=ON \
   -DKFAC_ENABLE_EXAMPLES=OFF -DKFAC_ENABLE_BENCHMARKS=OFF -DKFAC_ENABLE_TORCH=OFF "${ccache_args[@]}" \
-  "-DKFAC_TARGET_SET=$([ "$tests" = all ] || echo "${tests// /;}")" "$@"
+  "-DKFAC_TARGET_SET=$([ "$tests" = all ] || echo $tests | tr ' ' ';')" "$@"
 if [ "$tests" = all ]; then
   cmake --build "$build" -j "${KFAC_BUILD_JOBS:-$(nproc)}"
 else  # side by side, as the dependencies of one target (CMakeLists.txt, kfac_target_set)

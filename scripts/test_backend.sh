@@ -60,7 +60,7 @@ openmp_targets="test_backend_equivalence test_mpi_distributed test_deferred exam
 cuda_targets="test_backend_equivalence fashion_mnist kernel_coverage"
 if [ "$backend" = openmp ]; then targets=${KFAC_BACKEND_TARGETS:-$openmp_targets}; else targets=${KFAC_BACKEND_TARGETS:-$cuda_targets}; fi
 # The chosen targets build side by side as the dependencies of one target, kfac_target_set.
-if [ "$targets" = all ]; then cmake_args+=(-DKFAC_TARGET_SET=); else cmake_args+=("-DKFAC_TARGET_SET=${targets// /;}"); fi
+if [ "$targets" = all ]; then cmake_args+=(-DKFAC_TARGET_SET=); else cmake_args+=("-DKFAC_TARGET_SET=$(echo $targets | tr ' ' ';')"); fi
 cmake -S "$root" -B "$build" "${cmake_args[@]}" "$@"
 phase configure
 if [ "$targets" = all ]; then
