@@ -126,6 +126,9 @@ class KFACPreconditioner:
         token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in).
         mpi_comm: an mpi4py communicator: kfac's factors are averaged over it (instead of
             torch.distributed's default group); the gradients are averaged by the caller.
+        strict: False (default, as kfac-pytorch): a module with parameters whose type kfac has
+            no layer for (Embedding, LayerNorm, a subclass of Linear, ...) is left to the
+            optimizer and listed by skipped(); True: such a module is a KFACError naming it.
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class KFACPreconditioner:
         decomposition_delay: int = 0,
         token_reduction: str = 'none',
         mpi_comm: Any = None,
+        strict: bool = False,
     ) -> None:
         self._check(factor_update_steps, 'factor_update_steps', lambda v: v > 0, 'must be > 0')
         self._check(inv_update_steps, 'inv_update_steps', lambda v: v > 0, 'must be > 0')
@@ -220,6 +224,7 @@ class KFACPreconditioner:
         if isinstance(skip_layers, str):
             skip_layers = [skip_layers]
         self.skip_layers = list(skip_layers or [])
+        self.strict = strict
 
         specs, modules = self._find_modules(model, methods or {}, compute_method, pi_damping)
         settings: dict[str, Any] = {name: self._for_core(name, v) for name, v in self._hyper.items()}
@@ -297,6 +302,10 @@ class KFACPreconditioner:
                 continue
             d = _describe(name, module)
             d['skipped'] = any(hits)
+            if not d['skipped'] and not d['all_frozen'] and d['type'] == 'other' and not self.strict:
+                # kfac-pytorch's rule: what kfac has no layer for is the optimizer's alone (a frozen
+                # one is listed by frozen() instead, as before).
+                d.update(skipped=True, skip_reason='no kfac layer type: left to the optimizer')
             d['method'] = compute_method.name.lower()
             for p, m in method_patterns:
                 if p.search(name):

@@ -168,6 +168,7 @@ TorchModuleSpec spec_from(const py::dict& d) {
            : type == "batch_norm" ? TorchModuleSpec::Type::batch_norm
                                   : TorchModuleSpec::Type::other;
   s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
+  if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();
   s.all_frozen = d.contains("all_frozen") && d["all_frozen"].cast<bool>();
   if (d.contains("method")) {
     const std::string m = d["method"].cast<std::string>();

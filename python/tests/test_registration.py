@@ -1,5 +1,5 @@
-"""Registration: every supported module, refusal of the rest by name, skip_layers, frozen modules,
-and kfac-pytorch's argument checks."""
+"""Registration: every supported module, the rest left to the optimizer (or refused by name with
+strict=True), skip_layers, frozen modules, and kfac-pytorch's argument checks."""
 
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ class Unsupported(torch.nn.Module):
         self.fc = torch.nn.Linear(4, 2)
 
 
-def test_the_rest_is_refused_by_name() -> None:
+def test_the_rest_is_refused_by_name_when_strict() -> None:
     with pytest.raises(kfac.KFACError) as info:
-        kfac.KFACPreconditioner(Unsupported())
+        kfac.KFACPreconditioner(Unsupported(), strict=True)
     text = str(info.value)
     assert text.startswith('kfac: modules kfac cannot handle: ')
     for name, why in [
@@ -77,7 +77,7 @@ def test_the_rest_is_refused_by_name() -> None:
 def test_one_refused_module_is_the_errors_layer() -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
     with pytest.raises(kfac.KFACError) as info:
-        kfac.KFACPreconditioner(model)
+        kfac.KFACPreconditioner(model, strict=True)
     assert info.value.layer == '0'
     # The C++ core's text, as kfac::Error writes it.
     assert str(info.value) == (
@@ -85,6 +85,79 @@ def test_one_refused_module_is_the_errors_layer() -> None:
         '(supported: torch.nn.Linear, Conv2d or BatchNorm2d); add its name or class to skip_layers '
         'to leave it to the optimizer alone'
     )
+
+
+LEFT = 'no kfac layer type: left to the optimizer'
+
+
+def test_the_rest_is_left_to_the_optimizer_by_default() -> None:
+    """kfac-pytorch's rule: a module kfac has no layer type for is ignored and named by skipped();
+    a known type configured in a way kfac cannot handle is still refused, by name."""
+    p = kfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4), Custom(),
+                                                    torch.nn.ConvTranspose2d(4, 4, 3), torch.nn.Linear(4, 2)))
+    assert p.modules() == ['4']
+    skipped = p.skipped()
+    assert skipped[:2] == [f'0 (torch.nn.Embedding, {LEFT})', f'1 (torch.nn.LayerNorm, {LEFT})']
+    assert skipped[2].startswith('2 (') and skipped[2].endswith(f'.Custom, {LEFT})'), skipped[2]
+    assert skipped[3:] == [f'3 (torch.nn.ConvTranspose2d, {LEFT})']
+    with pytest.raises(kfac.KFACError, match="layer 'grouped'.*grouped convolutions"):
+        kfac.KFACPreconditioner(torch.nn.ModuleDict({'grouped': torch.nn.Conv2d(4, 4, 3, groups=2),
+                                                     'fc': torch.nn.Linear(4, 2)}))
+    with pytest.raises(kfac.KFACError, match='no torch.nn.Linear, Conv2d or BatchNorm2d module'):
+        kfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Embedding(10, 4)))
+
+
+def test_left_modules_keep_their_gradients() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4), torch.nn.Flatten(),
+                                torch.nn.Linear(12, 2))
+    p = kfac.KFACPreconditioner(model)
+    assert p.modules() == ['3']
+    model(torch.randint(0, 10, (5, 3))).square().sum().backward()
+    before = {n: q.grad.clone() for n, q in model.named_parameters()}
+    p.step()
+    for n, q in model.named_parameters():
+        assert torch.equal(q.grad, before[n]) == (not n.startswith('3.')), n
+
+
+class TinyLM(torch.nn.Module):
+    """The shape of kfac-pytorch's language-model example: an embedding, a transformer encoder
+    (whose attention's out_proj is a subclass of Linear that its forward never calls) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2)
+        self.head = torch.nn.Linear(8, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.emb(x)))
+
+
+def test_a_transformer_encoder_trains_with_its_linears_preconditioned() -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    p = kfac.KFACPreconditioner(model, token_reduction='expand')
+    assert p.modules() == ['encoder.layers.0.linear1', 'encoder.layers.0.linear2', 'encoder.layers.1.linear1',
+                           'encoder.layers.1.linear2', 'head']
+    left = [s.split(' ')[0] for s in p.skipped()]
+    per_layer = [f'encoder.layers.{i}.{m}' for i in range(2) for m in ('self_attn', 'self_attn.out_proj', 'norm1', 'norm2')]
+    assert left == ['emb', *per_layer]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randint(0, 20, (6, 5))
+    y = torch.roll(x, 1, dims=1)  # a copying task: the previous token
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 20), y.reshape(-1))
+        loss.backward()
+        p.step()
+        opt.step()
+        losses.append(loss.item())
+    assert p.steps == 30
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.8 * losses[0], losses
 
 
 def test_dtypes_and_devices_are_checked() -> None:

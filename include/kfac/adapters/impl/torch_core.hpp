@@ -49,7 +49,8 @@ struct TorchModuleSpec {
   std::string name;       ///< path in the model ("features.0"; "root" for the model itself)
   std::string type_name;  ///< the type as the front end spells it ("torch::nn::Conv2d", "torch.nn.Conv2d")
   Type type = Type::other;
-  bool skipped = false;     ///< matched by the front end's skip list
+  bool skipped = false;     ///< left out by the front end: matched by its skip list, or `skip_reason`
+  std::string skip_reason;  ///< why, when not the skip list (listed by skipped())
   bool all_frozen = false;  ///< every parameter it owns has requires_grad = false
   TorchMethod method = TorchMethod::eigen;
   bool pi_damping = true;  ///< TorchMethod::inverse: π-damping (else π = 1)
@@ -372,7 +373,8 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
   std::vector<ModuleProblem> problems;
   for (const TorchModuleSpec& s : specs) {
     if (s.skipped) {
-      skipped_.push_back(s.name + " (" + s.type_name + ", skip list)");
+      const std::string why = s.skip_reason.empty() ? "skip list" : s.skip_reason;
+      skipped_.push_back(s.name + " (" + s.type_name + ", " + why + ")");
       continue;
     }
     // Frozen (kfac-pytorch skips them too): nothing for the optimizer to update, nothing to precondition.
