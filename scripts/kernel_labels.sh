@@ -35,10 +35,11 @@ library_labels() {
 pieces='{ n = length($0); k = 0; p[++k] = $0
   for (i = 1; i <= n; i += 8) { if (i + 15 <= n) p[++k] = substr($0, i, 16); if (i + 7 <= n) p[++k] = substr($0, i, 8) }
   if (n >= 16) p[++k] = substr($0, n - 15); if (n >= 8) p[++k] = substr($0, n - 7) }'
+lib=$(library_labels)
+lib_pieces=$(awk "$pieces"' { for (j = 1; j <= k; ++j) print p[j] }' <<< "$lib")
 labels_in() {
-  local lib found
-  lib=$(library_labels)
-  found=$(grep -aoF -f <(awk "$pieces"' { for (j = 1; j <= k; ++j) print p[j] }' <<< "$lib") "$1" | sort -u || true)
+  local found
+  found=$(grep -aoF -f <(echo "$lib_pieces") "$1" | sort -u || true)
   awk 'NR == FNR { f[$0] = 1; next }
        { n = length($0); if ($0 in f) { print; next }
          for (i = 1; ; ) {
@@ -61,7 +62,7 @@ case "$mode" in
     mapfile -t ref_files < <(executables "$ref")
     [ ${#ref_files[@]} -gt 0 ] || { echo "kernel_labels: no executables in the reference build $ref" >&2; exit 2; }
     have=$(for f in "$@"; do labels_in "$f"; done | sort -u)
-    want=$(comm -12 <(library_labels) <(for f in "${ref_files[@]}"; do labels_in "$f"; done | sort -u))
+    want=$(comm -12 <(echo "$lib") <(for f in "${ref_files[@]}"; do labels_in "$f"; done | sort -u))
     missing=$(comm -23 <(echo "$want") <(echo "$have"))
     for h in $host_only; do missing=$(echo "$missing" | grep -vx "$h" || true); done
     total=$(echo "$want" | wc -l)

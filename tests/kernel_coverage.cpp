@@ -21,6 +21,8 @@
 #include <kfac/planning/calibration.hpp>
 #include <kfac/planning/cost_model.hpp>
 
+#include "reference.hpp"
+
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -42,21 +44,14 @@ using V4 = Kokkos::View<double****, Kokkos::LayoutRight, typename Space::memory_
 
 constexpr int kBatch = 8;
 
-/// A fixed stream of values in [-0.5, 0.5) (a 64-bit LCG), so that every run sees the same data.
-struct Numbers {
-  std::uint64_t state;
-  double next() {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return double(state >> 11) / double(1ull << 53) - 0.5;
-  }
-};
+using Numbers = kfac_test::Rng;  // the tests' fixed stream of uniform(-1, 1) values
 
 /// A view of the given extents, filled from `rng` through a host mirror.
 template <class View, class... Extents>
 View filled(Numbers& rng, Extents... extents) {
   View v("kernel_coverage::data", std::size_t(extents)...);
   auto h = Kokkos::create_mirror_view(v);
-  for (std::size_t i = 0; i < h.span(); ++i) h.data()[i] = rng.next();
+  for (std::size_t i = 0; i < h.span(); ++i) h.data()[i] = rng.uniform();
   Kokkos::deep_copy(v, h);
   return v;
 }
@@ -135,9 +130,9 @@ void kaisa_and_inversions(const kfac::MpiComm& comm) {
       Eigen::MatrixXd x(kBatch, 4), g(kBatch, 3), w(3, 4);
       Eigen::VectorXd b(3);
       for (Eigen::MatrixXd* e : {&x, &g})
-        for (Eigen::Index i = 0; i < e->size(); ++i) e->data()[i] = data.next();
-      for (Eigen::Index i = 0; i < w.size(); ++i) w.data()[i] = grads.next();
-      for (Eigen::Index i = 0; i < b.size(); ++i) b(i) = grads.next();
+        for (Eigen::Index i = 0; i < e->size(); ++i) e->data()[i] = data.uniform();
+      for (Eigen::Index i = 0; i < w.size(); ++i) w.data()[i] = grads.uniform();
+      for (Eigen::Index i = 0; i < b.size(); ++i) b(i) = grads.uniform();
       const auto w_rows = kfac::adapters::to_row_major_view(w);
       const auto w_space = Kokkos::create_mirror_view_and_copy(Mem(), w_rows);
       const auto b_space = Kokkos::create_mirror_view_and_copy(Mem(), kfac::adapters::from_eigen(b));
@@ -217,9 +212,9 @@ void pipeline(const kfac::MpiComm& comm) {
     kfac::Pipeline<ScaleStage> pipe(comm, stage,
                                     kfac::PipelineOptions{}.with_batch_size(4).with_beta(0.5).with_schedule(schedule));
     const auto input = [](long batch) {
-      Numbers rng{std::uint64_t(41 + batch)};
+      Numbers rng(std::uint64_t(41 + batch));
       Tensor x("kernel_coverage::x", 4, 3);
-      for (std::size_t i = 0; i < x.span(); ++i) x.data()[i] = rng.next();
+      for (std::size_t i = 0; i < x.span(); ++i) x.data()[i] = rng.uniform();
       return x;
     };
     const auto loss = [](long, const Tensor& y) {  // the gradient of |y|^2 / 2
