@@ -281,3 +281,40 @@ TEST_CASE("Diagonal conv factors are the diagonals and precondition in closed fo
     CHECK(rel_err(grad_with_bias(d.dw, d.db), expect) < 1e-13);
   }
 }
+
+TEST_CASE("kfac-pytorch's conventions: its conv scaling, factors from the identity, damping on each factor",
+          "[conv2d][factors][kfac_pytorch]") {
+  // kfac-pytorch divides every row (patch with its bias 1, output gradient) by T and each Gram
+  // sum by its N T rows: A = A_KFC / T^3, G = G_KFC / T^2. Its running averages start at I, and
+  // INVERSE inverts F + damping I for each factor.
+  const Spec s = kSpecs[0];
+  const int t = s.out_h() * s.out_w();
+  const double decay = 0.5, damping = 3e-2;
+  using Chol = kfac::Cholesky<>;
+  using Method = kfac::KFAC<kfac::Symmetric, Chol, kfac::DoublePrecision>;
+  Pre pre(plain_options(damping).with_factor_decay(decay).with_inv_update_steps(1L).with_initial_factors(
+      kfac::InitialFactors::identity));
+  pre.register_layer("c", s.layer().with_factor_scaling(kfac::Conv2d::FactorScaling::kfac_pytorch),
+                     Method{Chol{}.with_pi_damping(false).with_damping_on_each_factor(true)});
+  MatrixXd a = MatrixXd::Identity(s.a_dim(), s.a_dim()), g = MatrixXd::Identity(s.o, s.o);
+  for (int step = 0; step < 2; ++step) {
+    INFO("step " << step);
+    Data d = make_data(s, 41 + step);
+    const Naive kfc = naive_factors(s, d.x, d.dy, 1.0);
+    a = decay * a + (1 - decay) * kfc.a / (double(t) * t * t);
+    g = decay * g + (1 - decay) * kfc.g / (double(t) * t);
+    const MatrixXd ia = MatrixXd::Identity(s.a_dim(), s.a_dim()), ig = MatrixXd::Identity(s.o, s.o);
+    const MatrixXd expect = (g + damping * ig).inverse() * grad_with_bias(d.dw, d.db) * (a + damping * ia).inverse();
+    pre.observe_input("c", d.x);
+    pre.observe_output_grad("c", d.dy);
+    pre.set_gradient("c", d.dw, d.db);
+    pre.step();
+    const auto& layer = pre.layer_as<KLayer<kfac::Conv2d, kfac::Symmetric, Chol>>("c");
+    CHECK(rel_err(symmetric_from_upper(layer.factor_a()), a) < 1e-13);
+    CHECK(rel_err(symmetric_from_upper(layer.factor_g()), g) < 1e-13);
+    CHECK(rel_err(grad_with_bias(d.dw, d.db), expect) < 1e-10);
+  }
+  CHECK(s.layer().with_factor_scaling(kfac::Conv2d::FactorScaling::kfac_pytorch).describe() ==
+        s.layer().describe().substr(0, s.layer().describe().size() - 1) + ",scaling=kfac_pytorch)");
+  CHECK(Chol{}.with_damping_on_each_factor(true).settings() == "pi,each");
+}

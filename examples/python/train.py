@@ -92,7 +92,7 @@ def run(args, optimizer_name: str, seed: int, train, test, rank: int, world: int
     if optimizer_name == 'kfac':
         pre = kfac.KFACPreconditioner(model, lr=args.lr, damping=args.damping, kl_clip=args.kl_clip,
                                       factor_decay=args.factor_decay, factor_update_steps=args.factor_every,
-                                      inv_update_steps=args.inv_every)
+                                      inv_update_steps=args.inv_every, conventions=args.conventions)
     per_epoch = len(loader)
     eval_every = max(1, per_epoch // args.evals_per_epoch)
     step, train_s, reached, best, acc = 0, 0.0, None, 0.0, 0.0
@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument('--batch', type=int, default=256, help='global batch (divided over the ranks)')
     ap.add_argument('--lr', type=float, default=0.05)
     ap.add_argument('--damping', type=float, default=0.1)
+    ap.add_argument('--conventions', default='kfac', choices=['kfac', 'kfac-pytorch'],
+                    help="kfac's factors (the C++ demo's, whose damping this uses) or kfac-pytorch's")
     ap.add_argument('--kl-clip', type=float, default=1e-3)
     ap.add_argument('--factor-decay', type=float, default=0.95)
     ap.add_argument('--factor-every', type=int, default=10)

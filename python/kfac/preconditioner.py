@@ -41,8 +41,14 @@ def _type_name(module: torch.nn.Module) -> str:
     return f'{where}.{cls.__qualname__}'
 
 
-def _describe(name: str, module: torch.nn.Module) -> dict[str, Any]:
-    """What kfac's shared translation needs to know of one module owning parameters."""
+_CONVENTIONS = ('kfac-pytorch', 'kfac')
+
+
+def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str, Any]:
+    """What kfac's shared translation needs to know of one module owning parameters. Under
+    kfac-pytorch's conventions, subclasses of Linear and Conv2d count as theirs and BatchNorm2d
+    is left to the optimizer (kfac-pytorch's registration); under kfac's, exact types only (a
+    subclass may change what forward computes) and affine BatchNorm2d too."""
     d: dict[str, Any] = {
         'name': name,
         'type_name': _type_name(module),
@@ -51,10 +57,10 @@ def _describe(name: str, module: torch.nn.Module) -> dict[str, Any]:
         'weight': getattr(module, 'weight', None),
         'bias': getattr(module, 'bias', None),
     }
-    # Exact types: a subclass may change what forward computes.
-    if type(module) is torch.nn.Linear:
+    ours = conventions == 'kfac-pytorch'
+    if type(module) is torch.nn.Linear or (ours and isinstance(module, torch.nn.Linear)):
         d.update(type='linear', in_features=module.in_features, out_features=module.out_features)
-    elif type(module) is torch.nn.Conv2d:
+    elif type(module) is torch.nn.Conv2d or (ours and isinstance(module, torch.nn.Conv2d)):
         d.update(
             type='conv2d',
             in_channels=module.in_channels,
@@ -66,7 +72,7 @@ def _describe(name: str, module: torch.nn.Module) -> dict[str, Any]:
             padding=module.padding if isinstance(module.padding, str) else tuple(module.padding),
             padding_mode=module.padding_mode,
         )
-    elif type(module) is torch.nn.BatchNorm2d and module.affine:
+    elif type(module) is torch.nn.BatchNorm2d and module.affine and not ours:
         d.update(type='batch_norm', num_features=module.num_features, eps=module.eps)
     if not isinstance(d['weight'], torch.Tensor):
         d['weight'] = None
@@ -83,8 +89,8 @@ class KFACPreconditioner:
     """K-FAC preconditioning of a PyTorch model's gradients, by kfac's C++ core.
 
     Every argument kfac-pytorch's ``kfac.preconditioner.KFACPreconditioner`` takes is accepted
-    with the same meaning (see docs/python.md for where kfac's conventions differ: the scaling
-    of the factors and the damping forms); then kfac's own settings.
+    with the same meaning and, by default (conventions='kfac-pytorch'), gives kfac-pytorch's
+    steps; then kfac's own settings (docs/python.md, "Conventions").
 
     Example:
         >>> preconditioner = kfac.KFACPreconditioner(model, factor_update_steps=10)
@@ -93,7 +99,8 @@ class KFACPreconditioner:
         >>> optimizer.step()
 
     Args (kfac-pytorch's):
-        model: the model; its Linear, Conv2d and affine BatchNorm2d modules are registered.
+        model: the model; its Linear and Conv2d modules are registered (and affine BatchNorm2d
+            under conventions='kfac').
         factor_update_steps, inv_update_steps: intervals (int, or callable of the step).
         damping, factor_decay, kl_clip, lr: floats or callables of the step; kl_clip None
             disables the KL clipping.
@@ -120,10 +127,16 @@ class KFACPreconditioner:
             match wins), over compute_method; 'ngsgd' is Kaldi's online natural gradient.
         pi_damping: with 'inverse', pi-damping (Martens & Grosse 2015, section 6.3) instead of
             the same damping on both factors.
-        loss_reduction: 'mean' (default; the loss is a mean over the batch) or 'sum'.
+        conventions: 'kfac-pytorch' (default: its factor scalings, factors starting at the
+            identity, its accumulation and INVERSE damping; subclasses of Linear and Conv2d
+            registered, BatchNorm2d left to the optimizer) or 'kfac' (factors of per-sample
+            gradients, KFC for convolutions, BatchNorm2d's unit-wise Fisher).
+        loss_reduction: with conventions='kfac': 'mean' (default; the loss is a mean over the
+            batch) or 'sum'.
         nonfinite: 'raise' (default) or 'skip' (a step with NaN/Inf changes nothing).
         decomposition_delay: decompositions of step s used from step s + d.
-        token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in).
+        token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in);
+            default 'expand' (kfac-pytorch's conventions) or 'none' (kfac's).
         mpi_comm: an mpi4py communicator: kfac's factors are averaged over it (instead of
             torch.distributed's default group); the gradients are averaged by the caller.
         strict: False (default, as kfac-pytorch): a module with parameters whose type kfac has
@@ -157,12 +170,13 @@ class KFACPreconditioner:
         loglevel: int = logging.DEBUG,
         methods: dict[str, str] | None = None,
         pi_damping: bool = False,
-        loss_reduction: str = 'mean',
+        loss_reduction: str | None = None,
         nonfinite: str = 'raise',
         decomposition_delay: int = 0,
-        token_reduction: str = 'none',
+        token_reduction: str | None = None,
         mpi_comm: Any = None,
         strict: bool = False,
+        conventions: str = 'kfac-pytorch',
     ) -> None:
         self._check(factor_update_steps, 'factor_update_steps', lambda v: v > 0, 'must be > 0')
         self._check(inv_update_steps, 'inv_update_steps', lambda v: v > 0, 'must be > 0')
@@ -172,6 +186,13 @@ class KFACPreconditioner:
         self._check(lr, 'lr', lambda v: v > 0, 'must be > 0')
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError('accumulation_steps must be > 0')
+        if conventions not in _CONVENTIONS:
+            raise ValueError(f'conventions must be one of {", ".join(map(repr, _CONVENTIONS))} (got {conventions!r})')
+        if conventions == 'kfac-pytorch' and loss_reduction is not None:
+            raise ValueError(
+                "loss_reduction is one of kfac's conventions: kfac-pytorch's factors take the output gradients as "
+                "autograd gives them; pass conventions='kfac' with it",
+            )
         if allreduce_bucket_cap_mb < 0:
             raise ValueError('allreduce_bucket_cap_mb must be >= 0')
         if (
@@ -225,6 +246,8 @@ class KFACPreconditioner:
             skip_layers = [skip_layers]
         self.skip_layers = list(skip_layers or [])
         self.strict = strict
+        self.conventions = conventions
+        pytorch = conventions == 'kfac-pytorch'
 
         specs, modules = self._find_modules(model, methods or {}, compute_method, pi_damping)
         settings: dict[str, Any] = {name: self._for_core(name, v) for name, v in self._hyper.items()}
@@ -235,10 +258,15 @@ class KFACPreconditioner:
             colocate_factors=colocate_factors,
             precompute_reciprocal=bool(compute_eigenvalue_outer_product and compute_method == ComputeMethod.EIGEN),
             grad_worker_fraction=fraction,
-            loss_reduction=loss_reduction,
+            # kfac-pytorch's conventions: G from the output gradients as they come ('sum': no
+            # rescaling), factors starting at the identity, micro-batches' factors averaged as
+            # they are, Linear over any leading dimensions (tokens as samples).
+            loss_reduction='sum' if pytorch else loss_reduction or 'mean',
+            initial_factors='identity' if pytorch else 'batch',
+            rescale_accumulated=not pytorch,
             nonfinite=nonfinite,
             decomposition_delay=decomposition_delay,
-            token_reduction=token_reduction,
+            token_reduction=token_reduction or ('expand' if pytorch else 'none'),
             # torch.distributed's default group: kfac averages the factors over it (KAISA); the
             # gradients are averaged by the user (DistributedDataParallel) before step().
             process_group=dist.distributed_c10d._get_default_group() if distributed else None,
@@ -293,6 +321,11 @@ class KFACPreconditioner:
         matched = [False] * len(patterns)
         method_patterns = [(re.compile(p), m) for p, m in methods.items()]
         specs, modules = [], {}
+        # MultiheadAttention computes with its out_proj's weight, never calling the module: its
+        # hooks would never fire (kfac-pytorch#267), so it stays the optimizer's.
+        never_called = {
+            id(m.out_proj) for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)
+        }
         for raw_name, module in model.named_modules():
             name = raw_name or 'root'
             cls = type(module).__name__
@@ -300,12 +333,16 @@ class KFACPreconditioner:
             matched = [a or b for a, b in zip(matched, hits)]
             if not _own_parameters(module):
                 continue
-            d = _describe(name, module)
+            d = _describe(name, module, self.conventions)
             d['skipped'] = any(hits)
-            if not d['skipped'] and not d['all_frozen'] and d['type'] == 'other' and not self.strict:
+            d['conventions'] = self.conventions
+            if id(module) in never_called:
+                d['type'] = 'other'
+            by_convention = type(module) is torch.nn.BatchNorm2d and self.conventions == 'kfac-pytorch'
+            if not d['skipped'] and not d['all_frozen'] and d['type'] == 'other' and (by_convention or not self.strict):
                 # kfac-pytorch's rule: what kfac has no layer for is the optimizer's alone (a frozen
                 # one is listed by frozen() instead, as before).
-                d.update(skipped=True, skip_reason='no kfac layer type: left to the optimizer')
+                d.update(skipped=True, skip_reason=self._left_reason(module, never_called))
             d['method'] = compute_method.name.lower()
             for p, m in method_patterns:
                 if p.search(name):
@@ -320,6 +357,13 @@ class KFACPreconditioner:
                 f'skip_layers: {", ".join(repr(p) for p in unmatched)} matches no module name or class of the model',
             )
         return specs, modules
+
+    def _left_reason(self, module: torch.nn.Module, never_called: set[int]) -> str:
+        if id(module) in never_called:
+            return "MultiheadAttention's out_proj, whose forward it never calls: left to the optimizer"
+        if type(module) is torch.nn.BatchNorm2d and self.conventions == 'kfac-pytorch':
+            return "kfac-pytorch's conventions: left to the optimizer (conventions='kfac' preconditions it)"
+        return 'no kfac layer type: left to the optimizer'
 
     # ---- hooks: registered only while the next step updates a module's statistics -------------
 

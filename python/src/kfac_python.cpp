@@ -132,6 +132,9 @@ kfac::Options options_from(const py::dict& d, const std::shared_ptr<Hyper>& h) {
   if (d.contains("colocate_factors")) o.with_colocate_factors(d["colocate_factors"].cast<bool>());
   if (d.contains("bucket_bytes")) o.with_bucket_bytes(d["bucket_bytes"].cast<std::size_t>());
   if (d.contains("precompute_reciprocal")) o.with_precompute_reciprocal(d["precompute_reciprocal"].cast<bool>());
+  o.with_initial_factors(choice(d, "initial_factors",
+                                {{"batch", kfac::InitialFactors::batch}, {"identity", kfac::InitialFactors::identity}},
+                                kfac::InitialFactors::batch));
   if (d.contains("decomposition_delay")) o.with_decomposition_delay(d["decomposition_delay"].cast<long>());
   return o;
 }
@@ -175,6 +178,12 @@ TorchModuleSpec spec_from(const py::dict& d) {
     if (m == "inverse") s.method = kfac::impl::TorchMethod::inverse;
     else if (m == "ngsgd") s.method = kfac::impl::TorchMethod::ngsgd;
     else if (m != "eigen") throw kfac::Error(s.name, "method '" + m + "': expected 'eigen', 'inverse' or 'ngsgd'");
+  }
+  // kfac-pytorch's conventions (docs/python.md): its Conv2d factor scaling, and INVERSE adding
+  // the damping itself to each factor.
+  if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch") {
+    s.conv_scaling = kfac::Conv2d::FactorScaling::kfac_pytorch;
+    if (s.method == kfac::impl::TorchMethod::inverse) s.method = kfac::impl::TorchMethod::inverse_each_factor;
   }
   if (d.contains("pi_damping")) s.pi_damping = d["pi_damping"].cast<bool>();
   if (d.contains("weight") && !d["weight"].is_none()) s.weight = d["weight"].cast<at::Tensor>();
@@ -253,6 +262,7 @@ class PyPreconditioner {
             return std::make_unique<kfac::impl::TorchBackendOf<double, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
           return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
         });
+    if (settings.contains("rescale_accumulated")) core_->set_rescale_accumulated(settings["rescale_accumulated"].cast<bool>());
     live().insert(this);
   }
   ~PyPreconditioner() {

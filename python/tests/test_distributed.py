@@ -14,7 +14,9 @@ import torch.multiprocessing as mp
 import kfac
 from _nets import ConvLinear, grads
 
-SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1)
+# kfac's conventions: factors of per-sample gradients, the same at any world size (kfac-pytorch's are not)
+SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1,
+                conventions='kfac')
 STEPS, PER_RANK, WORLD = 3, 4, 2
 
 

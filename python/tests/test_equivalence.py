@@ -13,7 +13,9 @@ import torch
 import kfac
 from _nets import ConvLinear, RefNet, grads, ref_batch
 
-SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1)
+# kfac's conventions (the C++ adapter's); kfac-pytorch's are tested in test_kfac_pytorch_conventions.py.
+SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1,
+                conventions='kfac')
 
 
 @pytest.mark.parametrize(('dtype', 'rtol'), [(torch.float64, 1e-10), (torch.float32, 1e-6)])
@@ -58,6 +60,7 @@ def test_one_linear_layer_against_a_dense_kronecker_solve(loss_reduction: str) -
     layer = torch.nn.Linear(din, dout).double()
     p = kfac.KFACPreconditioner(
         layer, damping=damping, kl_clip=kl_clip, lr=lr, compute_eigenvalue_outer_product=False, loss_reduction=loss_reduction,
+        conventions='kfac',
     )
     x = torch.randn(n, din, dtype=torch.float64)
     y = torch.randint(0, dout, (n,))
@@ -258,7 +261,7 @@ def test_token_reduction_expand_treats_tokens_as_samples() -> None:
         pb.step()
         assert torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-12, atol=1e-15)
     c = torch.nn.Linear(3, 4)
-    pc = kfac.KFACPreconditioner(c)
+    pc = kfac.KFACPreconditioner(c, conventions='kfac')
     with pytest.raises(kfac.KFACError, match="token_reduction='expand' or 'reduce'") as info:
         c(torch.randn(2, 5, 3)).sum().backward()
     assert info.value.layer == 'root'

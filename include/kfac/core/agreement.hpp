@@ -83,6 +83,7 @@ inline std::string options_text(const Options& o) {
   for (const auto& s : o.skip_layers) skip += (skip.empty() ? "" : ",") + s;
   const std::pair<const char*, std::string> fields[] = {
       {"loss_reduction", std::to_string(int(o.loss_reduction))},
+      {"initial_factors", std::to_string(int(o.initial_factors))},
       {"precompute_reciprocal", std::to_string(int(o.precompute_reciprocal))},
       {"skip_layers", skip},
       {"grad_worker_fraction", number(o.grad_worker_fraction)},

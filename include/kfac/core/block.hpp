@@ -292,6 +292,10 @@ class Block {
 
   /// Folds the pending observations into the running statistics (kept pending, see above).
   virtual void update_statistics(const Exec& exec, double decay) = 0;
+  /// Before the first update_statistics() under InitialFactors::identity: statistics that are
+  /// running averages of Kronecker factors start at the identity (and exist from then on);
+  /// other blocks keep none, and their first update starts from the batch.
+  virtual void start_statistics_at_identity(const Exec&) {}
   /// True once statistics exist (updated, or allocated to restore into), until released.
   bool has_statistics() const { return statistics_present_; }
   /// What the replica group averages: the first buffers of checkpoint_state(), as the

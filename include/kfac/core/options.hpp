@@ -37,6 +37,15 @@ namespace kfac {
 /// factor of per-sample gradients either way.
 enum class LossReduction { mean, sum };
 
+/// \brief What a layer's running factors start from.
+///
+/// `batch` (kfac's default): the first statistics update sets each factor to its batch estimate.
+/// `identity` (kfac-pytorch's): factors start at the identity, so the first update gives
+/// decay I + (1 - decay) (batch estimate), and later ones average as usual. Blocks whose
+/// statistics are not Kronecker factors (BatchNorm2d's unit-wise Fisher, NG-SGD) start from
+/// their first batch either way.
+enum class InitialFactors { batch, identity };
+
 /// \brief What happens when observations or gradients contain NaN/Inf.
 ///
 /// `raise`: observe_* throws kfac::Error at once, on the rank that saw it (single-process use).
@@ -96,6 +105,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | long | factor_update_steps | interval between factor updates | 1 |
 /// | long | inv_update_steps | interval between decompositions | 10 |
 /// | LossReduction | loss_reduction | how the loss was reduced over the batch | mean |
+/// | InitialFactors | initial_factors | what Kronecker factors start from: the first batch, or the identity (kfac-pytorch) | batch |
 /// | bool | precompute_reciprocal | store 1/(lambda_G lambda_A^T + damping) at decomposition time | false |
 /// | vector<string> | skip_layers | layer names or kinds ("dense", "conv2d", "batch_norm") left unpreconditioned | {} |
 /// | double | grad_worker_fraction | KAISA gradient-worker fraction f in [1/world, 1] (1 = COMM-OPT). This row and the distribution rows below (assignment_cost to split_preconditioning, comm_precision, background_sharing, overlap_communication) are kfac 0.2's spelling of kfac::Kaisa's settings, read only when the Preconditioner is given no policy object | 1.0 |
@@ -120,6 +130,7 @@ struct Options {
   Hyperparameter<long> factor_update_steps{1L};
   Hyperparameter<long> inv_update_steps{10L};
   LossReduction loss_reduction = LossReduction::mean;
+  InitialFactors initial_factors = InitialFactors::batch;
   bool precompute_reciprocal = false;
   std::vector<std::string> skip_layers;
   double grad_worker_fraction = 1.0;
@@ -144,6 +155,7 @@ struct Options {
   Options& with_factor_update_steps(Hyperparameter<long> v) { factor_update_steps = std::move(v); return *this; }
   Options& with_inv_update_steps(Hyperparameter<long> v) { inv_update_steps = std::move(v); return *this; }
   Options& with_loss_reduction(LossReduction r) { loss_reduction = r; return *this; }
+  Options& with_initial_factors(InitialFactors f) { initial_factors = f; return *this; }
   Options& with_precompute_reciprocal(bool b) { precompute_reciprocal = b; return *this; }
   Options& with_skip_layers(std::vector<std::string> names) { skip_layers = std::move(names); return *this; }
   Options& with_grad_worker_fraction(double f) { grad_worker_fraction = f; return *this; }

@@ -141,6 +141,8 @@ class StepPhases {
         } else bases.push_back(dist_.sends_increments(o_, old[k].storage.scalar_size) ? keep(old[k].storage) : nullptr);
       }
       e.block->observe_gradient(exec_, e.w, e.b);  // Shampoo-like statistics; a no-op for the others
+      // Identity start: every rank adds the same decay I, so the replica average keeps it.
+      if (!had && o_.initial_factors == InitialFactors::identity) e.block->start_statistics_at_identity(exec_);
       e.block->update_statistics(exec_, decay);
       auto now = e.block->averaged_state();  // the first update allocates the storage
       for (std::size_t k = 0; k < now.size(); ++k) {

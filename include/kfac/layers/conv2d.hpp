@@ -20,10 +20,18 @@ namespace kfac {
 /// i.e. A sums over locations and G averages over them, so that \f$A \otimes G\f$ approximates
 /// the Fisher of the per-sample weight gradient \f$\sum_t g_{n,t} a_{n,t}^T\f$.
 /// Patch column order is c*kh*kw + i*kw + j, the row-major flattening of the weight (C, kh, kw).
+///
+/// `with_factor_scaling(Conv2d::FactorScaling::kfac_pytorch)` gives kfac-pytorch's factors
+/// instead: each row (patch and bias 1 alike, and each output gradient) divided by T, and both
+/// Gram sums divided by their N T rows, i.e. \f$A = \frac{1}{N T^3}\sum_{n,t} a a^T\f$ and
+/// \f$G = \frac{1}{N T^3}\sum_{n,t} g g^T\f$ (T³ and T² smaller than KFC's): what the Python
+/// package's default conventions use to reproduce kfac-pytorch's steps.
 class Conv2d {
  public:
   static constexpr bool is_kronecker = true;
   static constexpr const char* kind = "conv2d";
+  /// How the Gram sums over (sample, location) rows are normalised (see the class comment).
+  enum class FactorScaling { kfc, kfac_pytorch };
 
   Conv2d(index_t in_channels, index_t out_channels, index_t kernel_h, index_t kernel_w)
       : c_(in_channels), o_(out_channels), kh_(kernel_h), kw_(kernel_w) {
@@ -43,8 +51,10 @@ class Conv2d {
     dh_ = dh; dw_ = dw; return *this;
   }
   Conv2d& with_bias(bool b) { bias_ = b; return *this; }
+  Conv2d& with_factor_scaling(FactorScaling f) { scaling_ = f; return *this; }
 
   bool bias() const { return bias_; }
+  FactorScaling factor_scaling() const { return scaling_; }
   index_t a_dim() const { return c_ * kh_ * kw_ + (bias_ ? 1 : 0); }
   index_t g_dim() const { return o_; }
   index_t weight_rows() const { return o_; }
@@ -58,7 +68,7 @@ class Conv2d {
     auto s = [](index_t v) { return std::to_string(v); };
     return std::string(kind) + "(c=" + s(c_) + ",o=" + s(o_) + ",k=" + s(kh_) + "x" + s(kw_) +
            ",s=" + s(sh_) + "x" + s(sw_) + ",p=" + s(ph_) + "x" + s(pw_) + ",d=" + s(dh_) + "x" +
-           s(dw_) + ",bias=" + s(bias_) + ")";
+           s(dw_) + ",bias=" + s(bias_) + (scaling_ == FactorScaling::kfc ? "" : ",scaling=kfac_pytorch") + ")";
   }
 
   std::string check_input(const impl::Extents& e) const {
@@ -79,14 +89,21 @@ class Conv2d {
     return {};
   }
 
-  /// Rows of the im2col matrix: one per (sample, output location); A's normalizer is N.
+  /// Rows of the im2col matrix: one per (sample, output location); A's normalizer is N (KFC)
+  /// or N T³ (kfac-pytorch's scaling).
   index_t a_rows(const impl::Extents& x) const {
     return index_t(x[0]) * out_h(index_t(x[2])) * out_w(index_t(x[3]));
   }
-  double a_normalizer(const impl::Extents& x) const { return double(x[0]); }
-  /// G rows are (sample, location); G's normalizer is N T.
+  double a_normalizer(const impl::Extents& x) const {
+    const double t = double(out_h(index_t(x[2]))) * double(out_w(index_t(x[3])));
+    return scaling_ == FactorScaling::kfc ? double(x[0]) : double(x[0]) * t * t * t;
+  }
+  /// G rows are (sample, location); G's normalizer is N T (KFC) or N T³.
   index_t g_rows(const impl::Extents& g) const { return index_t(g[0] * g[2] * g[3]); }
-  double g_normalizer(const impl::Extents& g) const { return double(g[0]) * double(g[2] * g[3]); }
+  double g_normalizer(const impl::Extents& g) const {
+    const double t = double(g[2] * g[3]);
+    return scaling_ == FactorScaling::kfc ? double(g[0]) * t : double(g[0]) * t * t * t;
+  }
 
   template <class Exec, class Scalar, class Rows>
   void fill_a_rows(const Exec& exec, const impl::Tensor4<Scalar, Exec>& x, const Rows& rows) const {
@@ -171,6 +188,7 @@ class Conv2d {
   index_t c_, o_, kh_, kw_;
   index_t sh_ = 1, sw_ = 1, ph_ = 0, pw_ = 0, dh_ = 1, dw_ = 1;
   bool bias_ = true;
+  FactorScaling scaling_ = FactorScaling::kfc;
 };
 
 }  // namespace kfac

@@ -30,6 +30,7 @@ enum class TorchKind { dense, conv2d, batch_norm };
 enum class TorchMethod {
   eigen,    ///< KFAC<> (eigendecompositions; damping added to the eigenvalue products)
   inverse,  ///< KFAC<Symmetric, Cholesky<>> (explicit inverses; factored damping)
+  inverse_each_factor,  ///< the same with the damping added to each factor (kfac-pytorch's INVERSE)
   ngsgd,    ///< NGSGD (Kaldi's online natural gradient, its defaults; docs/ngsgd.md)
 };
 
@@ -54,6 +55,7 @@ struct TorchModuleSpec {
   bool all_frozen = false;  ///< every parameter it owns has requires_grad = false
   TorchMethod method = TorchMethod::eigen;
   bool pi_damping = true;  ///< TorchMethod::inverse: π-damping (else π = 1)
+  Conv2d::FactorScaling conv_scaling = Conv2d::FactorScaling::kfc;  ///< Conv2d: KFC's or kfac-pytorch's factors
   at::Tensor weight, bias;  ///< undefined when absent
   int64_t in_features = 0, out_features = 0;                      ///< Linear
   int64_t in_channels = 0, out_channels = 0, groups = 1;          ///< Conv2d
@@ -259,6 +261,8 @@ class TorchBackendOf final : public TorchBackend {
   void add_kronecker(const std::string& name, const Layer& l, TorchMethod m, bool pi) {
     if (m == TorchMethod::eigen) pre_.register_layer(name, l);
     else if (m == TorchMethod::inverse) pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{Cholesky<>{}.with_pi_damping(pi)});
+    else if (m == TorchMethod::inverse_each_factor)
+      pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{Cholesky<>{}.with_pi_damping(pi).with_damping_on_each_factor(true)});
     else pre_.register_layer(name, l, NGSGD{});
   }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
@@ -287,6 +291,10 @@ class TorchCore {
   at::ScalarType dtype() const { return dtype_; }
   TorchBackend& backend() const { return *backend_; }
   long accumulation_steps() const { return accumulation_steps_; }
+  /// \brief Whether the output gradients of accumulated micro-batches are multiplied by
+  /// accumulation_steps (default: yes, so that G is the one batch's; kfac-pytorch's conventions:
+  /// no, its G is the average of the micro-batches' own, of gradients k times smaller).
+  void set_rescale_accumulated(bool on) { rescale_accumulated_ = on; }
 
  private:
   struct Entry {
@@ -298,6 +306,7 @@ class TorchCore {
 
   const TorchFrontEnd* front_;
   long accumulation_steps_;
+  bool rescale_accumulated_ = true;
   at::ScalarType dtype_ = at::ScalarType::Undefined;
   std::unique_ptr<TorchBackend> backend_;
   std::vector<Entry> entries_;
@@ -345,7 +354,8 @@ inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s,
       t.kind = TorchKind::conv2d;
       t.conv.emplace(index_t(s.in_channels), index_t(s.out_channels), index_t(s.kernel[0]), index_t(s.kernel[1]));
       t.conv->with_stride(index_t(s.stride[0]), index_t(s.stride[1])).with_padding(index_t(pad[0]), index_t(pad[1]))
-          .with_dilation(index_t(s.dilation[0]), index_t(s.dilation[1])).with_bias(s.bias.defined());
+          .with_dilation(index_t(s.dilation[0]), index_t(s.dilation[1])).with_bias(s.bias.defined())
+          .with_factor_scaling(s.conv_scaling);
       return t;
     }
     case TorchModuleSpec::Type::batch_norm:
@@ -489,7 +499,7 @@ inline void TorchCore::precondition() {
   auto as_kfac = [&](at::Tensor t) { return (t.scalar_type() == dtype_ ? t : t.to(dtype_)).contiguous(); };
   // Each micro-batch's loss was divided by k: its output gradients are 1/k of the per-sample
   // ones kfac's loss reduction expects (G would come out k^2 too small).
-  const long k = accumulation_steps_;
+  const long k = rescale_accumulated_ ? accumulation_steps_ : 1;
   auto output_grad = [&](const at::Tensor& g) { return k == 1 ? as_kfac(g) : as_kfac(g * double(k)); };
   const bool check_finite = backend_->options().nonfinite == NonFinitePolicy::raise;
   struct Observation {

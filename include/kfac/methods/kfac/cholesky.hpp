@@ -7,9 +7,10 @@
 ///     \pi = \sqrt{\frac{\mathrm{tr}(A)/\dim A}{\mathrm{tr}(G)/\dim G}}, \f]
 /// with \f$\pi\f$ from the factors being inverted (\f$\pi = 1\f$ when a trace is 0 or
 /// \f$\pi\f$ is not finite), or with \f$\pi = 1\f$ throughout when `pi_damping` is off (kfac
-/// 0.1's form). kfac-pytorch's INVERSE method adds \f$\gamma\f$ itself to each factor, so its
-/// damping values do not carry over one to one. The damping is baked in when the inverse is
-/// computed (every inv_update_steps).
+/// 0.1's form). kfac-pytorch's INVERSE method adds \f$\gamma\f$ itself to each factor:
+/// `with_damping_on_each_factor(true)` does that (\f$(G + \gamma I)^{-1} X (A + \gamma I)^{-1}\f$;
+/// with π-damping, \f$\gamma\pi^2\f$ and \f$\gamma/\pi^2\f$). The damping is baked in when
+/// the inverse is computed (every inv_update_steps).
 
 #include <cmath>
 #include <utility>
@@ -92,16 +93,32 @@ struct ExplicitInverseRows {
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | bool | pi_damping | \f$\pi\f$ from the factors' traces (on) or \f$\pi = 1\f$ (off, kfac 0.1) | true |
+/// | bool | damping_on_each_factor | add \f$\gamma\f$ (kfac-pytorch's INVERSE), not \f$\sqrt{\gamma}\f$, to each factor | false |
 template <class Backend = AutoBackend>
 struct Cholesky : impl::PiDamping<Cholesky<Backend>>, impl::ExplicitInverseRows {
+  bool damping_on_each_factor = false;
+  Cholesky& with_damping_on_each_factor(bool on) {
+    damping_on_each_factor = on;
+    return *this;
+  }
+  /// The settings by name, for the agreement across ranks.
+  std::string describe() const {
+    return impl::PiDamping<Cholesky<Backend>>::describe() +
+           ",damping_on_each_factor=" + std::to_string(int(damping_on_each_factor));
+  }
   static constexpr const char* name = "cholesky";
   static constexpr bool damping_at_apply = false;
   /// compute() on the LAPACK path launches only range kernels and copies: it may run on a
   /// second host thread (Block::decomposes_off_thread).
   static constexpr bool host_thread_safe = true;
   using backend_type = Backend;
-  /// "pi" with π-damping; "" for kfac 0.1's π = 1, whose checkpoints then still load.
-  std::string settings() const { return this->pi_damping ? "pi" : ""; }
+  /// "pi" with π-damping; "" for kfac 0.1's π = 1, whose checkpoints then still load; "each"
+  /// added for damping on each factor.
+  std::string settings() const {
+    std::string s = this->pi_damping ? "pi" : "";
+    if (damping_on_each_factor) s += s.empty() ? "each" : ",each";
+    return s;
+  }
   /// Buffers of one factorization of an n x n factor: the damped inverse.
   static std::vector<std::size_t> counts(index_t n) { return {std::size_t(n) * n}; }
   static impl::UnitCost cost(index_t n) {
@@ -116,8 +133,9 @@ struct Cholesky : impl::PiDamping<Cholesky<Backend>>, impl::ExplicitInverseRows 
     /// The solver's scratch memory, reused by every decomposition of this factor.
     impl::SolverWorkspace<T, Exec> workspace;
     template <class F>
-    void compute(const Exec& exec, const F& factor, double damping, const Cholesky&, double = 0) {
-      impl::spd_inverse<Backend>(exec, factor, T(std::sqrt(damping)), this->inv, workspace);
+    void compute(const Exec& exec, const F& factor, double damping, const Cholesky& c, double = 0) {
+      const double added = c.damping_on_each_factor ? damping : std::sqrt(damping);
+      impl::spd_inverse<Backend>(exec, factor, T(added), this->inv, workspace);
     }
   };
 

@@ -64,6 +64,19 @@ void fold_factor(const Exec& exec, const PMatrix& p, C alpha, C beta0, const FMa
   }
 }
 
+/// f = I (the upper triangle and, for `full`, the lower; a diagonal layout's column of ones).
+template <bool diagonal, class Exec, class FMatrix>
+void fill_identity(const Exec& exec, const FMatrix& f) {
+  using S = typename FMatrix::non_const_value_type;
+  const int n = int(f.extent(0)), cols = int(f.extent(1));
+  Kokkos::parallel_for(
+      "kfac::layer::identity", Kokkos::RangePolicy<Exec>(exec, 0, cols), KOKKOS_LAMBDA(int j) {
+        if (diagonal) f(j, 0) = S(1);
+        else
+          for (int i = 0; i < n; ++i) f(i, j) = S(i == j ? 1 : 0);
+      });
+}
+
 /// Trace of a pending Gram matrix (its diagonal: column 0 of the diagonal layout), in double:
 /// the sum of squares of every row folded into it, with no pass over the rows. NaN or Inf in
 /// an observation, or a square too large for P's type, makes it non-finite (a diagonal entry
@@ -227,6 +240,12 @@ class KroneckerStatistics : public Block<Scalar, Exec> {
     a_ = FMatrix();
     g_ = FMatrix();
     this->set_statistics(false);
+  }
+  void start_statistics_at_identity(const Exec& exec) override {
+    allocate_factor_storage();
+    fill_identity<diagonal>(exec, a_);
+    fill_identity<diagonal>(exec, g_);
+    this->set_statistics(true);
   }
   void update_statistics(const Exec& exec, double decay) override {
     allocate_factor_storage();
