@@ -45,12 +45,4 @@ __all__ = [
     'KFACError',
     'KFACPreconditioner',
     'LambdaParamScheduler',
-    'assignment',
-    'base_preconditioner',
-    'enums',
-    'hyperparams',
-    'preconditioner',
-    'scheduler',
-    'tracing',
-    'warnings',
 ]

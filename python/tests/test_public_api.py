@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 import pytest
 import torch
@@ -45,8 +46,6 @@ def test_modules_and_enums_as_in_kfac_pytorch() -> None:
         assert {m.name: m.value for m in enum} == members
     assert issubclass(kfac.warnings.ExperimentalFeatureWarning, Warning)
     with pytest.warns(kfac.warnings.ExperimentalFeatureWarning):
-        import warnings
-
         warnings.warn('x', kfac.warnings.ExperimentalFeatureWarning)
 
 
