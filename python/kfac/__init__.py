@@ -15,19 +15,34 @@ from __future__ import annotations
 
 import atexit
 
+# kfac-pytorch's modules, reachable as attributes as there (kfac.enums.ComputeMethod, ...).
+import kfac.assignment as assignment
+import kfac.base_preconditioner as base_preconditioner
+import kfac.enums as enums
+import kfac.hyperparams as hyperparams
+import kfac.preconditioner as preconditioner
+import kfac.scheduler as scheduler
+import kfac.tracing as tracing
+import kfac.warnings as warnings
 from kfac import _kfac
 from kfac._kfac import KFACError
+from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.preconditioner import KFACPreconditioner
+from kfac.scheduler import LambdaParamScheduler
 
 atexit.register(_kfac.finalize)
 
 __all__ = [
+    'AllreduceMethod',
     'AssignmentStrategy',
+    'BaseKFACPreconditioner',
     'ComputeMethod',
     'DistributedStrategy',
     'KFACError',
     'KFACPreconditioner',
+    'LambdaParamScheduler',
 ]

@@ -5,6 +5,16 @@ from __future__ import annotations
 import enum
 
 
+class AllreduceMethod(enum.Enum):
+    """How factors are averaged across ranks, as kfac-pytorch names it: one collective per factor
+    (ALLREDUCE, allreduce_bucket_cap_mb=0) or factors packed into buckets (ALLREDUCE_BUCKETED).
+    kfac's communicator always packs; allreduce_bucket_cap_mb=0 bounds a bucket at one byte, so
+    each factor travels alone."""
+
+    ALLREDUCE = 1
+    ALLREDUCE_BUCKETED = 2
+
+
 class ComputeMethod(enum.Enum):
     """How each Linear/Conv2d layer's second-order information is kept.
 

@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 from kfac import _kfac
+from kfac.assignment import grad_worker_layout
+from kfac.base_preconditioner import BaseKFACPreconditioner
+from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
@@ -85,7 +88,7 @@ def _value(v: Any, step: int) -> Any:
     return v(step) if callable(v) else v
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC preconditioning of a PyTorch model's gradients, by kfac's C++ core.
 
     Every argument kfac-pytorch's ``kfac.preconditioner.KFACPreconditioner`` takes is accepted
@@ -212,17 +215,18 @@ class KFACPreconditioner:
         world = mpi_comm.Get_size() if mpi_comm is not None else dist.get_world_size() if distributed else 1
         if mpi_comm is not None and not _kfac.has_mpi():
             raise ValueError('mpi_comm: this kfac was built without MPI (KFAC_ENABLE_MPI)')
-        if isinstance(grad_worker_fraction, DistributedStrategy):
-            fraction = {
-                DistributedStrategy.COMM_OPT: 1.0,
-                DistributedStrategy.HYBRID_OPT: 0.5,
-                DistributedStrategy.MEM_OPT: 1.0 / world,
-            }[grad_worker_fraction]
-        else:
-            if not 0 <= grad_worker_fraction <= 1:
-                raise ValueError('grad_worker_fraction must in [0, 1]')
-            fraction = float(grad_worker_fraction) if grad_worker_fraction > 0 else 1.0 / world
-        fraction = max(fraction, 1.0 / world)
+        fraction, self.distributed_strategy, colocate_factors = grad_worker_layout(
+            grad_worker_fraction,
+            world,
+            colocate_factors=colocate_factors,
+            compute_method=compute_method,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+        )
+        self.colocate_factors = colocate_factors
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        bucketed = allreduce_bucket_cap_mb > 0
+        self.allreduce_method = AllreduceMethod.ALLREDUCE_BUCKETED if bucketed else AllreduceMethod.ALLREDUCE
 
         self.model = model
         self.compute_method = compute_method
@@ -279,6 +283,7 @@ class KFACPreconditioner:
             logger.log(loglevel, f'Registered name="{name}": {module!r}')
         for skipped in self._core.skipped():
             logger.log(loglevel, f'Skipped {skipped}')
+        logger.log(loglevel, f'KFAC layer assignments: {self._describe_assignment()}')
         self._sync_hooks()
 
     # ---- construction ----------------------------------------------------------------------
@@ -523,3 +528,26 @@ class KFACPreconditioner:
         )
         body = '\n'.join(f'  {k}={v},' for k, v in sorted(params.items()))
         return f'{type(self).__name__}(\n{body}\n)'
+
+    # ---- kfac-pytorch's public API (kfac/base_preconditioner.py): added by the api branch --------
+
+    def _hyperparameter(self, name: str) -> Any:
+        return self._hyper[name]
+
+    def _set_hyperparameter(self, name: str, value: Any) -> None:
+        """kfac-pytorch's `preconditioner._damping = v` (LambdaParamScheduler): the core takes the
+        new value at its next step() and checks it there."""
+        self._core.set_hyperparameter(name, self._for_core(name, value))
+        self._hyper[name] = value
+        self._sync_hooks()
+
+    def _describe_assignment(self) -> str:
+        """The KAISA settings the core places the work with (kfac-pytorch logs its KAISAAssignment;
+        kfac's placement itself is decided in the core)."""
+        return (
+            f'KAISAAssignment(grad_worker_fraction={self.grad_worker_fraction}, '
+            f'distributed_strategy={self.distributed_strategy.name}, colocate_factors={self.colocate_factors}, '
+            f'assignment_strategy={self.assignment_strategy.name}, layers={len(self._modules)})'
+        )
+
+    # ---- end of kfac-pytorch's public API block ------------------------------------------------
