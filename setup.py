@@ -139,7 +139,7 @@ class BuildKfacExtension(BuildExtension):
 
 
 refuse_kfac_pytorch()
-build_dir = os.environ.get('KFAC_BUILD_DIR', 'build/pip')
+build_dir = os.path.join(ROOT, os.environ.get('KFAC_BUILD_DIR', 'build/pip'))  # relative: to the source tree
 os.makedirs(build_dir, exist_ok=True)
 setup(
     version=version(),
