@@ -8,11 +8,11 @@ Kokkos, Kokkos Kernels, LAPACKE/BLAS and MPI are found by CMake (python/deps/CMa
 the extension gets the flags, libraries and KFAC_HAVE_* definitions of the CMake build.
 
 Environment variables:
-    KFAC_BUILD_OPT   the optimization flag (default -O3; -O1 compiles in about half the time)
-    KFAC_MPI         1: with MPI (mpi_comm=), an error if CMake finds none; 0: without;
-                     unset: with MPI when CMake finds it, as the CMake build does
-    KFAC_BUILD_DIR   where the build's files go (default: build/pip in the source tree)
-    KFAC_CMAKE_ARGS  more arguments for the CMake step, e.g. -DKokkos_ROOT=/opt/kokkos
+    KFAC_BUILD_OPT      the optimization flag (default -O3; -O1 builds in 60% of the time, -O0 in half)
+    KFAC_MPI            1: with MPI (mpi_comm=), an error if CMake finds none; 0: without;
+                        unset: with MPI when CMake finds it, as the CMake build does
+    KFAC_PIP_BUILD_DIR  where the build's files go (default: build/pip in the source tree)
+    KFAC_CMAKE_ARGS     more arguments for the CMake step, e.g. -DKokkos_ROOT=/opt/kokkos
     CMAKE_CXX_COMPILER_LAUNCHER  e.g. ccache, as for CMake (with torch's ninja build, the default)
 Kokkos and the others are found as CMake finds them: CMAKE_PREFIX_PATH and <Package>_ROOT apply.
 """
@@ -139,7 +139,7 @@ class BuildKfacExtension(BuildExtension):
 
 
 refuse_kfac_pytorch()
-build_dir = os.path.join(ROOT, os.environ.get('KFAC_BUILD_DIR', 'build/pip'))  # relative: to the source tree
+build_dir = os.path.join(ROOT, os.environ.get('KFAC_PIP_BUILD_DIR', 'build/pip'))  # relative: to the source tree
 os.makedirs(build_dir, exist_ok=True)
 setup(
     version=version(),

@@ -4,8 +4,8 @@ source tree, kfac imported from that environment trains a small model.
 
     python3 pip_check.py SOURCE_DIR WORK_DIR
 
-WORK_DIR (in the build tree) holds the environment and pip's build (KFAC_BUILD_DIR), so the source
-tree is left as it was. KFAC_BUILD_OPT defaults to -O0 here: the shortest compile.
+WORK_DIR (in the build tree) holds the environment and pip's build (KFAC_PIP_BUILD_DIR), so the
+source tree is left as it was. KFAC_BUILD_OPT defaults to -O0 here: the shortest compile.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     venv = os.path.join(work, 'venv')
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}  # not the build tree's package
-    env.update(PYTHONNOUSERSITE='1', KFAC_BUILD_DIR=os.path.join(work, 'build'))
+    env.update(PYTHONNOUSERSITE='1', KFAC_PIP_BUILD_DIR=os.path.join(work, 'build'))
     env.setdefault('KFAC_BUILD_OPT', '-O0')
     run('venv', [sys.executable, '-m', 'venv', '--system-site-packages', venv], env=env)
     run(f'pip install ({env["KFAC_BUILD_OPT"]})', [
