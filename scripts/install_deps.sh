@@ -14,6 +14,7 @@ packages=(
   libtorch-dev
   doxygen
   python3-torch python3-numpy python3-dev pybind11-dev python3-pytest python3-torchvision python3-mpi4py
+  python3-venv python3-setuptools python3-wheel ninja-build   # pip install of the Python package (docs/python.md)
 )
 missing=()
 for p in "${packages[@]}"; do
