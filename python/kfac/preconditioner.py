@@ -118,8 +118,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         symmetry_aware: accepted; kfac always communicates packed triangles.
         grad_scaler: torch.cuda.amp.GradScaler or a callable returning the loss scale; output
             gradients are divided by it.
-        factor_dtype, inv_dtype: accepted; kfac keeps factors and decompositions in the
-            parameters' dtype (float32 or float64).
+        factor_dtype, inv_dtype: None (default) or the parameters' dtype: kfac keeps factors and
+            decompositions in it (float32 or float64); another dtype is a ValueError naming it.
         skip_layers: regular expressions searched in each module's name and class name; a
             pattern matching no module of the model is a ValueError.
         update_factors_in_hook: accepted; kfac folds the statistics in step().
@@ -167,7 +167,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         symmetry_aware: bool = False,
         grad_scaler: Any = None,
         factor_dtype: torch.dtype | None = None,
-        inv_dtype: torch.dtype = torch.float32,
+        inv_dtype: torch.dtype | None = None,
         skip_layers: list[str] | str | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
@@ -233,6 +233,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.assignment_strategy = assignment_strategy
         self.grad_worker_fraction = fraction
         self.grad_scaler = grad_scaler
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        for name, asked in (('factor_dtype', factor_dtype), ('inv_dtype', inv_dtype)):
+            if asked is not None and dtypes and dtypes != {asked}:
+                have = ', '.join(sorted(str(d) for d in dtypes))
+                raise ValueError(
+                    f"{name}={asked}: kfac keeps factors and decompositions in the parameters' dtype ({have}); "
+                    'other storage dtypes are not available from Python yet (pass None)',
+                )
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.symmetry_aware = symmetry_aware

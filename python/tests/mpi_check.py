@@ -12,7 +12,9 @@ from mpi4py import MPI
 import kfac
 from _nets import ConvLinear, grads
 
-SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1)
+# kfac's conventions: the factors of per-sample gradients, the same at any world size
+SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1,
+                conventions='kfac')
 STEPS, PER_RANK = 3, 4
 
 

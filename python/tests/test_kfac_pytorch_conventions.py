@@ -149,3 +149,12 @@ def test_conventions_are_checked() -> None:
     with pytest.raises(ValueError, match="loss_reduction is one of kfac's conventions"):
         kfac.KFACPreconditioner(torch.nn.Linear(3, 2), loss_reduction='mean')
     assert kfac.KFACPreconditioner(torch.nn.Linear(3, 2), loss_reduction='mean', conventions='kfac').modules()
+
+
+def test_factor_and_inverse_dtypes_are_the_parameters_or_refused_by_name() -> None:
+    model = torch.nn.Linear(3, 2)
+    assert kfac.KFACPreconditioner(model, factor_dtype=torch.float32, inv_dtype=torch.float32).modules() == ['root']
+    with pytest.raises(ValueError, match=r'factor_dtype=torch.float16: .*\(torch.float32\)'):
+        kfac.KFACPreconditioner(model, factor_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r'inv_dtype=torch.float32: .*\(torch.float64\)'):
+        kfac.KFACPreconditioner(torch.nn.Linear(3, 2).double(), inv_dtype=torch.float32)
