@@ -317,4 +317,16 @@ TEST_CASE("kfac-pytorch's conventions: its conv scaling, factors from the identi
   CHECK(s.layer().with_factor_scaling(kfac::Conv2d::FactorScaling::kfac_pytorch).describe() ==
         s.layer().describe().substr(0, s.layer().describe().size() - 1) + ",scaling=kfac_pytorch)");
   CHECK(Chol{}.with_damping_on_each_factor(true).settings() == "pi,each");
+  // Decay 1 keeps factors that start at I there (kfac-pytorch allows it); from the batch it is refused.
+  Pre frozen(plain_options().with_factor_decay(1.0).with_initial_factors(kfac::InitialFactors::identity));
+  frozen.register_layer<kfac::Conv2d, kfac::Symmetric>("c", s.layer());
+  Data d = make_data(s, 45);
+  frozen.observe_input("c", d.x);
+  frozen.observe_output_grad("c", d.dy);
+  frozen.set_gradient("c", d.dw, d.db);
+  frozen.step();
+  const auto& kept = frozen.layer_as<KLayer<kfac::Conv2d>>("c");
+  CHECK(symmetric_from_upper(kept.factor_a()) == MatrixXd::Identity(s.a_dim(), s.a_dim()));
+  CHECK_THROWS_WITH(Pre(plain_options().with_factor_decay(1.0)),
+                    Catch::Contains("factor_decay = 1.000000 at step 0: expected a value in [0, 1)"));
 }

@@ -190,7 +190,8 @@ def main() -> None:
         matched += ok
         t_ours += a['seconds']
         t_theirs += b['seconds']
-        line = f"| {name_of(c)} | {loss_diff:.2e} | {param_diff:.2e} | {b['losses'][-1]:.4f} | {'yes' if ok else 'NO'} |"
+        line = (f"| {name_of(c)} | {loss_diff:.2e} | {param_diff:.2e} | {b['losses'][-1]:.4f} | "
+                f"{'yes' if ok else 'NO'} |")
         if control:
             line += ' {:.2e}, {:.2e} |'.format(*diffs(control[i], b))
         print(line)

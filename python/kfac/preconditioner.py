@@ -184,7 +184,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._check(factor_update_steps, 'factor_update_steps', lambda v: v > 0, 'must be > 0')
         self._check(inv_update_steps, 'inv_update_steps', lambda v: v > 0, 'must be > 0')
         self._check(damping, 'damping', lambda v: v > 0, 'must be > 0')
-        self._check(factor_decay, 'factor_decay', lambda v: 0 <= v < 1, 'must be in [0, 1) (kfac: 1 would never update)')
+        if conventions == 'kfac-pytorch':  # factors start at I: decay 1 keeps them there, as in kfac-pytorch
+            self._check(factor_decay, 'factor_decay', lambda v: 0 < v <= 1, 'must be in (0, 1]')
+        else:
+            self._check(factor_decay, 'factor_decay', lambda v: 0 <= v < 1, 'must be in [0, 1) (kfac: 1 would never update)')
         self._check(kl_clip, 'kl_clip', lambda v: v is None or v > 0, 'must be > 0 (None: no clipping)')
         self._check(lr, 'lr', lambda v: v > 0, 'must be > 0')
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:

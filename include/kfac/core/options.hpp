@@ -100,7 +100,7 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// |---|---|---|---|
 /// | double | lr | learning rate used by KL clipping | 0.1 |
 /// | double | damping | Tikhonov damping added to the Kronecker product | 0.001 |
-/// | double | factor_decay | running-average weight of the old factor | 0.95 |
+/// | double | factor_decay | running-average weight of the old factor, in [0, 1) ([0, 1] from the identity) | 0.95 |
 /// | double | kl_clip | KL-clip bound; 0 disables clipping | 0.001 |
 /// | long | factor_update_steps | interval between factor updates | 1 |
 /// | long | inv_update_steps | interval between decompositions | 10 |
@@ -196,7 +196,11 @@ struct StepValues {
     };
     if (!(v.lr > 0) || !std::isfinite(v.lr)) bad("lr", v.lr, "a finite value > 0");
     if (!(v.damping > 0) || !std::isfinite(v.damping)) bad("damping", v.damping, "a finite value > 0");
-    if (!(v.factor_decay >= 0 && v.factor_decay < 1)) bad("factor_decay", v.factor_decay, "a value in [0, 1)");
+    // From the identity, decay 1 keeps the factors at I (kfac-pytorch allows it); from the batch it
+    // would keep the first batch's forever.
+    const bool from_identity = o.initial_factors == InitialFactors::identity;
+    if (from_identity ? !(v.factor_decay >= 0 && v.factor_decay <= 1) : !(v.factor_decay >= 0 && v.factor_decay < 1))
+      bad("factor_decay", v.factor_decay, from_identity ? "a value in [0, 1] (factors from the identity)" : "a value in [0, 1)");
     if (!(v.kl_clip >= 0) || !std::isfinite(v.kl_clip)) bad("kl_clip", v.kl_clip, "a finite value >= 0");
     if (v.factor_update_steps < 1) bad("factor_update_steps", double(v.factor_update_steps), "an interval >= 1");
     if (v.inv_update_steps < 1) bad("inv_update_steps", double(v.inv_update_steps), "an interval >= 1");

@@ -260,9 +260,9 @@ class TorchBackendOf final : public TorchBackend {
   template <class Layer>
   void add_kronecker(const std::string& name, const Layer& l, TorchMethod m, bool pi) {
     if (m == TorchMethod::eigen) pre_.register_layer(name, l);
-    else if (m == TorchMethod::inverse) pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{Cholesky<>{}.with_pi_damping(pi)});
-    else if (m == TorchMethod::inverse_each_factor)
-      pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{Cholesky<>{}.with_pi_damping(pi).with_damping_on_each_factor(true)});
+    else if (m == TorchMethod::inverse || m == TorchMethod::inverse_each_factor)
+      pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{
+          Cholesky<>{}.with_pi_damping(pi).with_damping_on_each_factor(m == TorchMethod::inverse_each_factor)});
     else pre_.register_layer(name, l, NGSGD{});
   }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
