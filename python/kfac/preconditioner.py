@@ -84,10 +84,6 @@ def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str,
     return d
 
 
-def _value(v: Any, step: int) -> Any:
-    return v(step) if callable(v) else v
-
-
 class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC preconditioning of a PyTorch model's gradients, by kfac's C++ core.
 
@@ -454,29 +450,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         """The number of step() calls so far."""
         return self._core.step_count()
 
-    @property
-    def damping(self) -> float:
-        return _value(self._hyper['damping'], self.steps)
-
-    @property
-    def factor_decay(self) -> float:
-        return _value(self._hyper['factor_decay'], self.steps)
-
-    @property
-    def kl_clip(self) -> float | None:
-        return _value(self._hyper['kl_clip'], self.steps)
-
-    @property
-    def lr(self) -> float:
-        return _value(self._hyper['lr'], self.steps)
-
-    @property
-    def factor_update_steps(self) -> int:
-        return _value(self._hyper['factor_update_steps'], self.steps)
-
-    @property
-    def inv_update_steps(self) -> int:
-        return _value(self._hyper['inv_update_steps'], self.steps)
+    # damping, factor_decay, kl_clip, lr, factor_update_steps, inv_update_steps (the value at the
+    # current step) and their private spellings come from BaseKFACPreconditioner.
 
     # ---- kfac's own views ----------------------------------------------------------------------
 
