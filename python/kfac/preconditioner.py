@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from kfac import _kfac
 from kfac.assignment import grad_worker_layout
+from kfac.base_preconditioner import HYPERPARAMETERS
 from kfac.base_preconditioner import BaseKFACPreconditioner
 from kfac.enums import AllreduceMethod
 from kfac.enums import AssignmentStrategy
@@ -22,15 +23,6 @@ from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 
 logger = logging.getLogger(__name__)
-
-_HYPERPARAMETERS = (
-    'factor_update_steps',
-    'inv_update_steps',
-    'damping',
-    'factor_decay',
-    'kl_clip',
-    'lr',
-)
 
 
 def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -348,13 +340,19 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             d = _describe(name, module, self.conventions)
             d['skipped'] = any(hits)
             d['conventions'] = self.conventions
+            # Left to the optimizer, and why: kfac-pytorch's rule is that what kfac has no layer for
+            # is the optimizer's alone (with strict=True an error instead, except BatchNorm2d, left
+            # by the conventions themselves); a frozen one is listed by frozen() instead.
+            by_convention = type(module) is torch.nn.BatchNorm2d and self.conventions == 'kfac-pytorch'
             if id(module) in never_called:
                 d['type'] = 'other'
-            by_convention = type(module) is torch.nn.BatchNorm2d and self.conventions == 'kfac-pytorch'
+                why = "MultiheadAttention's out_proj, whose forward it never calls: left to the optimizer"
+            elif by_convention:
+                why = "kfac-pytorch's conventions: left to the optimizer (conventions='kfac' preconditions it)"
+            else:
+                why = 'no kfac layer type: left to the optimizer'
             if not d['skipped'] and not d['all_frozen'] and d['type'] == 'other' and (by_convention or not self.strict):
-                # kfac-pytorch's rule: what kfac has no layer for is the optimizer's alone (a frozen
-                # one is listed by frozen() instead, as before).
-                d.update(skipped=True, skip_reason=self._left_reason(module, never_called))
+                d.update(skipped=True, skip_reason=why)
             d['method'] = compute_method.name.lower()
             for p, m in method_patterns:
                 if p.search(name):
@@ -369,13 +367,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 f'skip_layers: {", ".join(repr(p) for p in unmatched)} matches no module name or class of the model',
             )
         return specs, modules
-
-    def _left_reason(self, module: torch.nn.Module, never_called: set[int]) -> str:
-        if id(module) in never_called:
-            return "MultiheadAttention's out_proj, whose forward it never calls: left to the optimizer"
-        if type(module) is torch.nn.BatchNorm2d and self.conventions == 'kfac-pytorch':
-            return "kfac-pytorch's conventions: left to the optimizer (conventions='kfac' preconditions it)"
-        return 'no kfac layer type: left to the optimizer'
 
     # ---- hooks: registered only while the next step updates a module's statistics -------------
 
@@ -494,7 +485,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                     'state_dict has no kfac checkpoint (state_dict(include_factors=False)); '
                     "kfac's step counter lives in it",
                 )
-        for name in _HYPERPARAMETERS:
+        for name in HYPERPARAMETERS:
             if name in state_dict:
                 self._hyper[name] = state_dict[name]
                 self._core.set_hyperparameter(name, self._for_core(name, state_dict[name]))
@@ -503,7 +494,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._sync_hooks()
 
     def __repr__(self) -> str:
-        params = {name: self._hyper[name] for name in _HYPERPARAMETERS}
+        params = {name: self._hyper[name] for name in HYPERPARAMETERS}
         params.update(
             accumulation_steps=self._accumulation_steps,
             compute_method=self.compute_method,
