@@ -19,11 +19,12 @@ import argparse
 import itertools
 import json
 import os
-import pathlib
-import subprocess
 import sys
-import tempfile
 import time
+
+from side_by_side import find_packages
+from side_by_side import kfac_pytorch_metadata
+from side_by_side import run_worker
 
 LOSS_RTOL = 1e-4
 PARAM_RTOL = 1e-3
@@ -123,18 +124,9 @@ def worker(configs: list[dict], steps: int) -> list[dict]:
     return results
 
 
-def run_worker(path_first: str, configs: list[dict], steps: int, metadata: str | None = None,
-               threads: int = 1) -> list[dict]:
-    env = dict(os.environ, KFAC_COMPARE_THREADS=str(threads))
-    env['PYTHONPATH'] = os.pathsep.join([path_first] + ([metadata] if metadata else []) + [env.get('PYTHONPATH', '')])
-    env.setdefault('OMP_NUM_THREADS', '1')
-    out = subprocess.run(
-        [sys.executable, __file__, '--worker', '--steps', str(steps)],
-        input=json.dumps(configs), capture_output=True, text=True, env=env, check=False,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f'worker with {path_first} first on the path failed:\n{out.stderr[-4000:]}')
-    return json.loads(out.stdout)
+def run(path_first: list[str], configs: list[dict], steps: int, threads: int = 1) -> list[dict]:
+    env = {'KFAC_COMPARE_THREADS': str(threads), 'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS', '1')}
+    return run_worker(__file__, path_first, configs, ['--steps', str(steps)], env)
 
 
 def max_rel(a, b) -> float:
@@ -156,24 +148,15 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(sys.stdin.read()), args.steps)))
         return
-    theirs_dir = pathlib.Path(args.kfac_pytorch) if args.kfac_pytorch else None
-    if theirs_dir is None or not (theirs_dir / 'kfac' / 'base_preconditioner.py').exists():
-        print('kfac-pytorch: NOT RUN (give --kfac-pytorch DIR, a checkout holding its kfac/ package)')
+    found = find_packages(args.kfac_pytorch, 'kfac-pytorch')
+    if found is None:
         return
-    here = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
-    ours_dir = next((p for p in here if (pathlib.Path(p) / 'kfac' / 'preconditioner.py').exists()), None)
-    if ours_dir is None:
-        raise SystemExit('put our package on PYTHONPATH (e.g. PYTHONPATH=build/python)')
+    ours_dir, theirs_dir = found
     configs = configurations(args.quick)
-    ours = run_worker(ours_dir, configs, args.steps)
-    # kfac-pytorch's __init__ reads its distribution's version: a checkout run out of tree needs
-    # that metadata beside it (nothing else of an installation).
-    with tempfile.TemporaryDirectory() as meta:
-        info = pathlib.Path(meta) / 'kfac_pytorch-0.0.0.dist-info'
-        info.mkdir()
-        (info / 'METADATA').write_text('Metadata-Version: 2.1\nName: kfac-pytorch\nVersion: 0.0.0\n')
-        theirs = run_worker(str(theirs_dir), configs, args.steps, meta)
-        control = run_worker(str(theirs_dir), configs, args.steps, meta, threads=2) if args.control else None
+    ours = run([ours_dir], configs, args.steps)
+    with kfac_pytorch_metadata() as meta:
+        theirs = run([theirs_dir, meta], configs, args.steps)
+        control = run([theirs_dir, meta], configs, args.steps, threads=2) if args.control else None
     matched = 0
     t_ours = t_theirs = 0.0
     extra = ' kfac-pytorch 1 vs 2 threads: loss, param |' if control else ''

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import pathlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+from side_by_side import find_packages
+from side_by_side import kfac_pytorch_metadata
+from side_by_side import run_worker
 
 SCHEDULES = {'every step': (1, 1), 'decompose every 10': (1, 10)}
 
@@ -102,14 +102,8 @@ def worker(job: dict) -> dict:
     return {'kfac': statistics.median(with_kfac), 'plain': statistics.median(plain)}
 
 
-def run(path_first: str, job: dict, metadata: str | None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(job['threads']))
-    env['PYTHONPATH'] = os.pathsep.join([path_first] + ([metadata] if metadata else []) + [env.get('PYTHONPATH', '')])
-    out = subprocess.run([sys.executable, __file__, '--worker'], input=json.dumps(job), capture_output=True,
-                         text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f'worker ({path_first} first) failed:\n{out.stderr[-4000:]}')
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run(path_first: list[str], job: dict) -> dict:
+    return run_worker(__file__, path_first, job, [], {'OMP_NUM_THREADS': str(job['threads'])})
 
 
 def main() -> None:
@@ -125,28 +119,21 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(sys.stdin.read()))))
         return
-    theirs = pathlib.Path(args.kfac_pytorch) if args.kfac_pytorch else None
-    if theirs is None or not (theirs / 'kfac' / 'base_preconditioner.py').exists():
-        print('kfac-pytorch overhead: NOT RUN (give --kfac-pytorch DIR, a checkout holding its kfac/ package)')
+    found = find_packages(args.kfac_pytorch, 'kfac-pytorch overhead')
+    if found is None:
         return
-    here = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
-    ours = next((p for p in here if (pathlib.Path(p) / 'kfac' / 'preconditioner.py').exists()), None)
-    if ours is None:
-        raise SystemExit('put our package on PYTHONPATH (e.g. PYTHONPATH=build/python)')
+    ours, theirs = found
     print('| model | threads | schedule | step without K-FAC (ms) | ours: step, overhead (ms) | '
           'kfac-pytorch: step, overhead (ms) | overhead ours / kfac-pytorch |')
     print('|---|---|---|---|---|---|---|')
     worst, unmeasured = 0.0, 0
-    with tempfile.TemporaryDirectory() as meta:
-        info = pathlib.Path(meta) / 'kfac_pytorch-0.0.0.dist-info'
-        info.mkdir()
-        (info / 'METADATA').write_text('Metadata-Version: 2.1\nName: kfac-pytorch\nVersion: 0.0.0\n')
+    with kfac_pytorch_metadata() as meta:
         for model in args.models.split(','):
             for threads in [int(t) for t in args.threads.split(',')]:
                 for label, schedule in SCHEDULES.items():
                     job = dict(model=model, threads=threads, schedule=schedule, repeats=args.repeats,
                                steps=args.steps, warmup=args.warmup)
-                    a, b = run(ours, job, None), run(str(theirs), job, meta)
+                    a, b = run([ours], job), run([theirs, meta], job)
                     plain = min(a['plain'], b['plain'])
                     over_a, over_b = a['kfac'] - a['plain'], b['kfac'] - b['plain']
                     # an overhead below the noise (<= 0) gives no ratio: that row is not measured
