@@ -183,9 +183,9 @@ TorchModuleSpec spec_from(const py::dict& d) {
   // the damping itself to each factor.
   if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch") {
     s.conv_scaling = kfac::Conv2d::FactorScaling::kfac_pytorch;
-    if (s.method == kfac::impl::TorchMethod::inverse) s.method = kfac::impl::TorchMethod::inverse_each_factor;
+    s.inverse.with_damping_on_each_factor(true);
   }
-  if (d.contains("pi_damping")) s.pi_damping = d["pi_damping"].cast<bool>();
+  if (d.contains("pi_damping")) s.inverse.with_pi_damping(d["pi_damping"].cast<bool>());
   if (d.contains("weight") && !d["weight"].is_none()) s.weight = d["weight"].cast<at::Tensor>();
   if (d.contains("bias") && !d["bias"].is_none()) s.bias = d["bias"].cast<at::Tensor>();
   if (s.type == TorchModuleSpec::Type::linear) {

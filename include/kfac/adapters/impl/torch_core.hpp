@@ -29,8 +29,7 @@ enum class TorchKind { dense, conv2d, batch_norm };
 /// \brief The inversion a Linear or Conv2d module gets (BatchNorm2d always gets UnitWiseFisher).
 enum class TorchMethod {
   eigen,    ///< KFAC<> (eigendecompositions; damping added to the eigenvalue products)
-  inverse,  ///< KFAC<Symmetric, Cholesky<>> (explicit inverses; factored damping)
-  inverse_each_factor,  ///< the same with the damping added to each factor (kfac-pytorch's INVERSE)
+  inverse,  ///< KFAC<Symmetric, Cholesky<>> (explicit inverses, TorchModuleSpec::inverse's settings)
   ngsgd,    ///< NGSGD (Kaldi's online natural gradient, its defaults; docs/ngsgd.md)
 };
 
@@ -54,7 +53,7 @@ struct TorchModuleSpec {
   std::string skip_reason;  ///< why, when not the skip list (listed by skipped())
   bool all_frozen = false;  ///< every parameter it owns has requires_grad = false
   TorchMethod method = TorchMethod::eigen;
-  bool pi_damping = true;  ///< TorchMethod::inverse: π-damping (else π = 1)
+  Cholesky<> inverse;  ///< TorchMethod::inverse: its settings (π-damping; the damping on each factor)
   Conv2d::FactorScaling conv_scaling = Conv2d::FactorScaling::kfc;  ///< Conv2d: KFC's or kfac-pytorch's factors
   at::Tensor weight, bias;  ///< undefined when absent
   int64_t in_features = 0, out_features = 0;                      ///< Linear
@@ -188,8 +187,8 @@ inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g, 
 class TorchBackend {
  public:
   virtual ~TorchBackend() = default;
-  virtual void add(const std::string& name, const Dense& l, TorchMethod m, bool pi) = 0;
-  virtual void add(const std::string& name, const Conv2d& l, TorchMethod m, bool pi) = 0;
+  virtual void add(const std::string& name, const Dense& l, TorchMethod m, const Cholesky<>& inverse) = 0;
+  virtual void add(const std::string& name, const Conv2d& l, TorchMethod m, const Cholesky<>& inverse) = 0;
   virtual void add(const std::string& name, const BatchNorm2d& l) = 0;
   virtual bool wants_observations() const = 0;
   virtual bool wants_observations(const std::string& name) const = 0;
@@ -217,8 +216,12 @@ class TorchBackendOf final : public TorchBackend {
   using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
   TorchBackendOf(Options o, Comm comm) : pre_(std::move(o), TorchExec{}, std::move(comm)) {}
 
-  void add(const std::string& name, const Dense& l, TorchMethod m, bool pi) override { add_kronecker(name, l, m, pi); }
-  void add(const std::string& name, const Conv2d& l, TorchMethod m, bool pi) override { add_kronecker(name, l, m, pi); }
+  void add(const std::string& name, const Dense& l, TorchMethod m, const Cholesky<>& inverse) override {
+    add_kronecker(name, l, m, inverse);
+  }
+  void add(const std::string& name, const Conv2d& l, TorchMethod m, const Cholesky<>& inverse) override {
+    add_kronecker(name, l, m, inverse);
+  }
   void add(const std::string& name, const BatchNorm2d& l) override { pre_.register_layer(name, l); }
   bool wants_observations() const override { return pre_.wants_observations(); }
   bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
@@ -258,11 +261,9 @@ class TorchBackendOf final : public TorchBackend {
 
  private:
   template <class Layer>
-  void add_kronecker(const std::string& name, const Layer& l, TorchMethod m, bool pi) {
+  void add_kronecker(const std::string& name, const Layer& l, TorchMethod m, const Cholesky<>& inverse) {
     if (m == TorchMethod::eigen) pre_.register_layer(name, l);
-    else if (m == TorchMethod::inverse || m == TorchMethod::inverse_each_factor)
-      pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{
-          Cholesky<>{}.with_pi_damping(pi).with_damping_on_each_factor(m == TorchMethod::inverse_each_factor)});
+    else if (m == TorchMethod::inverse) pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{inverse});
     else pre_.register_layer(name, l, NGSGD{});
   }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
@@ -430,8 +431,8 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
   backend_ = make_backend(dtype_, std::move(options));
   for (const Found& f : found) {
     const TorchModuleSpec& s = *f.spec;
-    if (f.layer.dense) backend_->add(s.name, *f.layer.dense, s.method, s.pi_damping);
-    else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method, s.pi_damping);
+    if (f.layer.dense) backend_->add(s.name, *f.layer.dense, s.method, s.inverse);
+    else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method, s.inverse);
     else backend_->add(s.name, *f.layer.bn);
     auto capture = std::make_shared<TorchCapture>();
     capture->name = s.name;
