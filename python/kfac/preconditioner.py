@@ -487,8 +487,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 )
         for name in HYPERPARAMETERS:
             if name in state_dict:
-                self._hyper[name] = state_dict[name]
-                self._core.set_hyperparameter(name, self._for_core(name, state_dict[name]))
+                self._set_hyperparameter(name, state_dict[name])
         if 'kfac' in state_dict:
             self._core.load(state_dict['kfac'])
         self._sync_hooks()
