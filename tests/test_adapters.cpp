@@ -273,3 +273,18 @@ TEST_CASE("a Preconditioner driven through Eigen objects equals one driven by vi
     CHECK(kfac::adapters::as_eigen(fc.w) == w);
   }
 }
+
+TEST_CASE("from_raw and from_eigen view (batch, tokens, features) without copying", "[dense][tokens][adapters]") {
+  std::vector<double> raw(2 * 3 * 4, 1.0);
+  const auto v = kfac::adapters::from_raw(raw.data(), 2, 3, 4);
+  CHECK(v.extent(0) == 2);
+  CHECK(v.extent(1) == 3);
+  CHECK(v.data() == raw.data());
+  Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m(6, 4);
+  const auto e = kfac::adapters::from_eigen(m, 3);
+  CHECK(e.extent(0) == 2);
+  CHECK(e.extent(1) == 3);
+  CHECK(e.extent(2) == 4);
+  CHECK(e.data() == m.data());
+  expect_error([&] { kfac::adapters::from_eigen(m, 4); }, "", {"4 tokens per sample do not divide", "(6, 4)"});
+}

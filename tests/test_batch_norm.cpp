@@ -1,5 +1,7 @@
 // BatchNorm2d's unit-wise and diagonal Fisher against direct per-sample computation in double.
 #include <array>
+#include <memory>
+#include <sstream>
 #include <vector>
 
 #include "helpers.hpp"
@@ -152,4 +154,141 @@ TEST_CASE("BatchNorm running average over two steps", "[batch_norm][running_aver
     INFO("step " << step);
     check_fisher<kfac::Diagonal>(pre, running);
   }
+}
+
+namespace {
+using V3d = Kokkos::View<double***, Kokkos::LayoutRight, Kokkos::HostSpace>;
+
+V3d random3(int n, int t, int d, Rng& rng) {
+  V3d v("rand3", n, t, d);
+  for (std::size_t i = 0; i < v.span(); ++i) v.data()[i] = rng.uniform() - 0.5;
+  return v;
+}
+
+/// LayerNorm's per-feature Fisher from per-sample gradients in double: g_gamma = sum over the
+/// sample's tokens of scale dy xhat, g_beta = sum of scale dy; blocks (gg, gb, bb) summed over
+/// samples (the caller divides by the samples).
+void add_layer_norm_fisher(const V3d& xhat, const V3d& dy, double scale, std::vector<std::array<double, 3>>& f) {
+  const int n = int(xhat.extent(0)), t = int(xhat.extent(1)), d = int(xhat.extent(2));
+  f.resize(d, {0.0, 0.0, 0.0});
+  for (int k = 0; k < n; ++k)
+    for (int j = 0; j < d; ++j) {
+      double gg = 0, gb = 0;
+      for (int i = 0; i < t; ++i) {
+        gg += scale * dy(k, i, j) * xhat(k, i, j);
+        gb += scale * dy(k, i, j);
+      }
+      f[j][0] += gg * gg;
+      f[j][1] += gg * gb;
+      f[j][2] += gb * gb;
+    }
+}
+
+template <class Factor>
+using LnLayer = kfac::LayerNormBlock<Factor, kfac::DoublePrecision, double, Host>;
+}  // namespace
+
+TEST_CASE("LayerNorm over tokens: per-feature Fisher and solve against per-sample gradients in double",
+          "[layer_norm][unit_wise][tokens]") {
+  const int d = 5, t = 3;
+  for (const bool shift : {true, false})
+    for (const bool unit_wise : {true, false})
+      for (const auto reduction : {kfac::LossReduction::sum, kfac::LossReduction::mean}) {
+        INFO("shift " << shift << " unit-wise " << unit_wise << " mean " << (reduction == kfac::LossReduction::mean));
+        Rng rng(31 + 4 * shift + 2 * unit_wise);
+        const double damping = 0.05;
+        Pre pre(plain_options(damping).with_loss_reduction(reduction));
+        if (unit_wise) pre.register_layer("ln", kfac::LayerNorm(d, shift));
+        else pre.register_layer("ln", kfac::LayerNorm(d, shift), kfac::UnitWiseFisher<kfac::Diagonal>{});
+        std::vector<std::array<double, 3>> f;
+        int samples = 0;
+        for (const int n : {4, 2}) {  // two micro-batches
+          const V3d xhat = random3(n, t, d, rng), dy = random3(n, t, d, rng);
+          pre.observe_input("ln", xhat);
+          pre.observe_output_grad("ln", dy);
+          add_layer_norm_fisher(xhat, dy, reduction == kfac::LossReduction::mean ? double(n) : 1.0, f);
+          samples += n;
+        }
+        const auto dg = random_vector<double>(d, rng), db = shift ? random_vector<double>(d, rng) : V1<double>();
+        const auto g0 = clone(dg), b0 = clone(db);
+        pre.set_gradient("ln", dg, db);
+        pre.step();
+        const auto fisher = unit_wise ? pre.layer_as<LnLayer<kfac::UnitWise>>("ln").fisher()
+                                      : pre.layer_as<LnLayer<kfac::Diagonal>>("ln").fisher();
+        for (int j = 0; j < d; ++j) {
+          INFO("feature " << j);
+          for (int k = 0; k < 3; ++k) CHECK(fisher(j, k) == Approx(f[j][k] / samples).epsilon(1e-13).margin(1e-15));
+          std::array<double, 3> fj = {f[j][0] / samples, f[j][1] / samples, f[j][2] / samples};
+          if (shift) {
+            const auto want = solve(fj, damping, g0(j), b0(j), unit_wise);
+            CHECK(dg(j) == Approx(want[0]).epsilon(1e-12));
+            CHECK(db(j) == Approx(want[1]).epsilon(1e-12));
+          } else {  // scale only (RMSNorm): the 1x1 block
+            CHECK(dg(j) == Approx(g0(j) / (fj[0] + damping)).epsilon(1e-12));
+          }
+        }
+      }
+}
+
+TEST_CASE("LayerNorm over one token equals LayerNorm over samples; mismatched tokens are refused by name",
+          "[layer_norm][tokens][errors]") {
+  Rng rng(8);
+  const V3d xhat = random3(6, 1, 4, rng), dy = random3(6, 1, 4, rng);
+  V2<double> x2(xhat.data(), 6, 4), g2(dy.data(), 6, 4);
+  Pre seq(plain_options()), flat(plain_options());
+  seq.register_layer("ln", kfac::LayerNorm(4));
+  flat.register_layer("ln", kfac::LayerNorm(4));
+  auto ga = random_vector<double>(4, rng), ba = random_vector<double>(4, rng);
+  auto gb = clone(ga), bb = clone(ba);
+  seq.observe_input("ln", xhat);
+  seq.observe_output_grad("ln", dy);
+  seq.set_gradient("ln", ga, ba);
+  flat.observe_input("ln", x2);
+  flat.observe_output_grad("ln", g2);
+  flat.set_gradient("ln", gb, bb);
+  seq.step();
+  flat.step();
+  CHECK(same_bits(ga, gb));
+  CHECK(same_bits(ba, bb));
+  seq.observe_input("ln", random3(2, 3, 4, rng));
+  expect_error([&] { seq.observe_output_grad("ln", random3(2, 5, 4, rng)); }, "ln",
+               {"(2, 5, 4)", "matching the input"});
+  expect_error([&] { seq.observe_input("ln", random3(2, 3, 5, rng)); }, "ln", {"(2, 3, 5)", "(batch, tokens, 4)"});
+  // A LayerNorm without a shift takes no bias gradient.
+  Pre rms(plain_options());
+  rms.register_layer("rms", kfac::LayerNorm(4, false));
+  rms.observe_input("rms", x2);
+  rms.observe_output_grad("rms", g2);
+  expect_error([&] { rms.set_gradient("rms", ga, ba); }, "rms", {"bias"});
+}
+
+TEST_CASE("LayerNorm's Fisher survives a checkpoint bit for bit", "[layer_norm][checkpoint]") {
+  Rng rng(12);
+  auto make = [] {
+    auto p = std::make_unique<Pre>(plain_options().with_factor_decay(0.9));
+    p->register_layer("ln", kfac::LayerNorm(3));
+    return p;
+  };
+  auto a = make();
+  auto feed = [&](Pre& p, const V3d& x, const V3d& g, V1<double>& dg, V1<double>& db) {
+    p.observe_input("ln", x);
+    p.observe_output_grad("ln", g);
+    p.set_gradient("ln", dg, db);
+    p.step();
+  };
+  for (int s = 0; s < 3; ++s) {
+    auto dg = random_vector<double>(3, rng), db = random_vector<double>(3, rng);
+    feed(*a, random3(4, 2, 3, rng), random3(4, 2, 3, rng), dg, db);
+  }
+  std::stringstream bytes;
+  a->save(bytes);
+  auto b = make();
+  REQUIRE(b->load(bytes));
+  const V3d x = random3(4, 2, 3, rng), g = random3(4, 2, 3, rng);
+  auto dga = random_vector<double>(3, rng), dba = random_vector<double>(3, rng);
+  auto dgb = clone(dga), dbb = clone(dba);
+  feed(*a, x, g, dga, dba);
+  feed(*b, x, g, dgb, dbb);
+  CHECK(same_bits(dga, dgb));
+  CHECK(same_bits(dba, dbb));
 }

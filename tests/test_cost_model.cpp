@@ -69,6 +69,17 @@ TEST_CASE("LayerShape mirrors register_layer's policies", "[cost_model][shape]")
   CHECK_FALSE(b.kronecker);
   CHECK(b.channels == 7);
   CHECK(b.factor_payload_counts() == std::vector<std::size_t>{21});
+  for (const bool shift : {true, false}) {  // LayerNorm: 3 averaged values per feature, nothing to decompose
+    const auto n = kfac::LayerShape::of("ln", kfac::LayerNorm(9, shift));
+    CHECK(n.kind == "layer_norm");
+    CHECK_FALSE(n.kronecker);
+    CHECK(n.channels == 9);
+    CHECK(n.factor_payload_counts() == std::vector<std::size_t>{27});
+    CHECK(n.decomposed_factors() == 0);
+  }
+  const auto r = kfac::LayerShape::of("seq", kfac::Dense(5, 4).with_tokens(kfac::Dense::Tokens::reduce));
+  CHECK(r.a_dim == 6);  // a sequence layer's factors have the shapes of its samples' layer
+  CHECK(r.unit_costs[0].work.eigh_n3 == cube(6));
 }
 
 TEST_CASE("bytes per factor update follow the packed/full formula", "[cost_model][bytes]") {

@@ -255,3 +255,128 @@ TEST_CASE("observations that are their own rows are read in place, with the bits
     CHECK(same_bits(a.factor_g(), b.factor_g()));
   }
 }
+
+namespace {
+template <class T>
+using V3 = Kokkos::View<T***, Kokkos::LayoutRight, Kokkos::HostSpace>;
+
+V3<double> random_view3(int n, int t, int f, Rng& rng) {
+  V3<double> v("rand3", n, t, f);
+  for (std::size_t i = 0; i < v.span(); ++i) v.data()[i] = rng.uniform() - 0.5;
+  return v;
+}
+
+/// Eschenhagen et al. (2023) in double, written from the per-token definitions: expand sums a a^T
+/// over every (sample, token) and divides by N T, and g g^T over the same pairs divided by N;
+/// reduce takes a_n = the token mean of (x, 1) and g_n = the token sum of g, each divided by N.
+/// `batches` are micro-batches of one step (their normalizers add up); g is scaled by `scale(n)`.
+struct TokenFactors {
+  MatrixXd a, g;
+  double a_norm = 0, g_norm = 0;
+  void add(const V3<double>& x, const V3<double>& dy, bool bias, bool reduce, double scale) {
+    const int n = int(x.extent(0)), t = int(x.extent(1)), in = int(x.extent(2)), out = int(dy.extent(2));
+    if (a.size() == 0) a = MatrixXd::Zero(in + bias, in + bias), g = MatrixXd::Zero(out, out);
+    for (int s = 0; s < n; ++s) {
+      Eigen::VectorXd am = Eigen::VectorXd::Zero(in + bias), gs = Eigen::VectorXd::Zero(out);
+      for (int k = 0; k < t; ++k) {
+        Eigen::VectorXd av(in + bias), gv(out);
+        for (int i = 0; i < in; ++i) av(i) = x(s, k, i);
+        if (bias) av(in) = 1.0;
+        for (int o = 0; o < out; ++o) gv(o) = scale * dy(s, k, o);
+        if (reduce) {
+          am += av / t;
+          gs += gv;
+        } else {
+          a += av * av.transpose();
+          g += gv * gv.transpose();
+        }
+      }
+      if (reduce) {
+        a += am * am.transpose();
+        g += gs * gs.transpose();
+      }
+    }
+    a_norm += reduce ? n : double(n) * t;
+    g_norm += n;
+  }
+};
+}  // namespace
+
+TEST_CASE("Dense over tokens: expand and reduce factors and steps against per-token loops in double",
+          "[dense][tokens]") {
+  const int in = 3, out = 2, t = 4;
+  for (const bool bias : {true, false})
+    for (const bool reduce : {false, true})
+      for (const auto reduction : {kfac::LossReduction::sum, kfac::LossReduction::mean}) {
+        INFO("bias " << bias << " reduce " << reduce << " mean " << (reduction == kfac::LossReduction::mean));
+        Rng rng(17 + 2 * bias + reduce);
+        const double damping = 0.05;
+        Pre pre(plain_options(damping).with_loss_reduction(reduction));
+        const auto tokens = reduce ? kfac::Dense::Tokens::reduce : kfac::Dense::Tokens::expand;
+        pre.register_layer("fc", kfac::Dense(in, out, bias).with_tokens(tokens));
+        TokenFactors ref;
+        for (const int n : {5, 3}) {  // two micro-batches in one step
+          const auto x = random_view3(n, t, in, rng), dy = random_view3(n, t, out, rng);
+          pre.observe_input("fc", x);
+          pre.observe_output_grad("fc", dy);
+          ref.add(x, dy, bias, reduce, reduction == kfac::LossReduction::mean ? double(n) : 1.0);
+        }
+        DenseBatch d(in, out, bias, 1, rng);
+        pre.set_gradient("fc", d.w, d.b);
+        const MatrixXd grad = d.gradient();
+        pre.step();
+        const auto& layer = pre.layer_as<KLayer<kfac::Dense>>("fc");
+        const MatrixXd a = ref.a / ref.a_norm, g = ref.g / ref.g_norm;
+        CHECK(rel_err(symmetric_from_upper(layer.factor_a()), a) < 1e-13);
+        CHECK(rel_err(symmetric_from_upper(layer.factor_g()), g) < 1e-13);
+        CHECK(rel_err(grad_with_bias(d.w, d.b), dense_kronecker_solve(a, g, grad, damping)) < 1e-10);
+      }
+}
+
+TEST_CASE("Dense over one token equals Dense over samples, bit for bit", "[dense][tokens]") {
+  for (const auto tokens : {kfac::Dense::Tokens::expand, kfac::Dense::Tokens::reduce}) {
+    Rng rng(5);
+    const auto x = random_view3(6, 1, 4, rng), dy = random_view3(6, 1, 3, rng);
+    V2<double> x2(x.data(), 6, 4), dy2(dy.data(), 6, 3);
+    DenseBatch d(4, 3, true, 1, rng);
+    DenseBatch twin = d.twin();
+    Pre seq(plain_options()), flat(plain_options());
+    seq.register_layer("fc", kfac::Dense(4, 3).with_tokens(tokens));
+    flat.register_layer("fc", kfac::Dense(4, 3));
+    for (int step = 0; step < 3; ++step) {
+      seq.observe_input("fc", x);
+      seq.observe_output_grad("fc", dy);
+      seq.set_gradient("fc", d.w, d.b);
+      flat.observe_input("fc", x2);
+      flat.observe_output_grad("fc", dy2);
+      flat.set_gradient("fc", twin.w, twin.b);
+      seq.step();
+      flat.step();
+    }
+    CHECK(same_bits(d.w, twin.w));
+    CHECK(same_bits(d.b, twin.b));
+  }
+}
+
+TEST_CASE("Dense over tokens refuses mismatched token counts and widths by name", "[dense][tokens][errors]") {
+  Rng rng(9);
+  Pre pre(plain_options());
+  pre.register_layer("fc", kfac::Dense(3, 2).with_tokens(kfac::Dense::Tokens::reduce));
+  const auto x = random_view3(2, 4, 3, rng);
+  pre.observe_input("fc", x);
+  expect_error([&] { pre.observe_output_grad("fc", random_view3(2, 5, 2, rng)); }, "fc",
+               {"(2, 5, 2)", "5 tokens per sample", "has 4"});
+  expect_error([&] { pre.observe_input("fc", random_view3(2, 4, 2, rng)); }, "fc",
+               {"(2, 4, 2)", "(batch, tokens, 3)"});
+  // A (batch, 3, 1) sequence of one-feature tokens is not a (batch, 3) matrix.
+  expect_error([&] { pre.observe_input("fc", random_view3(2, 3, 1, rng)); }, "fc", {"(2, 3, 1)"});
+  Pre conv(plain_options());
+  conv.register_layer("conv", kfac::Conv2d(3, 2, 1, 1));
+  expect_error([&] { conv.observe_input("conv", random_view3(2, 3, 4, rng)); }, "conv", {"(2, 3, 4)"});
+  // The refused observations changed nothing: the step uses the one good pair.
+  pre.observe_output_grad("fc", random_view3(2, 4, 2, rng));
+  DenseBatch d(3, 2, true, 1, rng);
+  pre.set_gradient("fc", d.w, d.b);
+  pre.step();
+  CHECK(pre.layer_as<KLayer<kfac::Dense>>("fc").factor_a()(3, 3) == 1.0);
+}

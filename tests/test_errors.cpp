@@ -144,15 +144,15 @@ V with_value(V v, std::size_t index, double value) {
 TEST_CASE("bad observations are refused and change nothing", "[errors][observe]") {
   Rng rng(1);
   const BadCall calls[] = {
-      {"Dense input of the wrong width", kBoth, "fc", {"input has shape (4, 5, 1, 1)", "expected (batch, 3)"},
+      {"Dense input of the wrong width", kBoth, "fc", {"input has shape (4, 5)", "expected (batch, 3)"},
        [](Pre& p) { p.observe_input("fc", V2<double>("x", 4, 5)); }},
       {"Conv2d input with the wrong channels", kBoth, "conv", {"input has shape (2, 3, 3, 3)", "expected (batch, 2, H, W)"},
        [](Pre& p) { p.observe_input("conv", V4<double>("x", 2, 3, 3, 3)); }},
       {"Conv2d input smaller than the kernel", kBoth, "conv", {"input has shape (2, 2, 1, 3)", "kernel fitting"},
        [](Pre& p) { p.observe_input("conv", V4<double>("x", 2, 2, 1, 3)); }},
-      {"BatchNorm input with the wrong channels", kBoth, "bn", {"input has shape (3, 5, 1, 1)"},
+      {"BatchNorm input with the wrong channels", kBoth, "bn", {"input has shape (3, 5)"},
        [](Pre& p) { p.observe_input("bn", V2<double>("x", 3, 5)); }},
-      {"Dense output gradient of the wrong width", kBoth, "fc", {"output gradient has shape (4, 3, 1, 1)", "expected (batch, 2)"},
+      {"Dense output gradient of the wrong width", kBoth, "fc", {"output gradient has shape (4, 3)", "expected (batch, 2)"},
        [](Pre& p) { p.observe_output_grad("fc", V2<double>("g", 4, 3)); }},
       {"Conv2d output gradient of the wrong spatial size", kBoth, "conv",
        {"output gradient has shape (2, 2, 3, 3)", "expected (batch, 2, 2, 2)"},
@@ -161,7 +161,7 @@ TEST_CASE("bad observations are refused and change nothing", "[errors][observe]"
        [](Pre& p) { p.observe_output_grad("fc", V2<double>("g", 3, 2)); }},
       {"Conv2d output gradient batch differs from its input", kMid, "conv", {"output gradient has batch 1", "has batch 2"},
        [](Pre& p) { p.observe_output_grad("conv", V4<double>("g", 1, 2, 2, 2)); }},
-      {"BatchNorm output gradient batch differs from its input", kMid, "bn", {"output gradient has shape (2, 2, 1, 1)", "matching the input"},
+      {"BatchNorm output gradient batch differs from its input", kMid, "bn", {"output gradient has shape (2, 2)", "matching the input"},
        [](Pre& p) { p.observe_output_grad("bn", V2<double>("g", 2, 2)); }},
       {"BatchNorm output gradient without its input", kLate, "bn", {"without a matching normalized input"},
        [](Pre& p) { p.observe_output_grad("bn", V2<double>("g", 3, 2)); }},
@@ -493,7 +493,7 @@ TEST_CASE("misuse found by a user's campaign is refused by name, at registration
                  {"output gradient has shape (4, 3)", "expected (batch, 2, ...)"});
     expect_error([&] { pre.observe_output_grad("conv", V4<double>("g", 2, 3, 2, 2)); }, "conv",
                  {"output gradient has shape (2, 3, 2, 2)", "expected (batch, 2, ...)"});
-    expect_error([&] { pre.observe_input("fc", V2<double>("x", 4, 5)); }, "fc", {"input has shape (4, 5, 1, 1)"});
+    expect_error([&] { pre.observe_input("fc", V2<double>("x", 4, 5)); }, "fc", {"input has shape (4, 5)"});
   }
   SECTION("a Conv2d output gradient of the wrong spatial size observed before its input") {
     Pre pre(twin_options());

@@ -362,10 +362,12 @@ TEST_CASE("torch adapter: a Linear with 3-D input needs a token reduction", "[to
     y.pow(2).mean().backward();
     at::Tensor w = fc->weight.grad().clone(), b = fc->bias.grad().clone();
     kp.precondition();
-    // The reference: expand = (B T) rows; reduce = inputs averaged, gradients summed over T.
+    // The reference, a Dense over samples: expand = (B T) rows, A over B T and G over B (Eschenhagen et
+    // al. 2023), so each row's gradient is divided by sqrt(T) (the mean loss scales rows by B T, not B);
+    // reduce = inputs averaged, gradients summed over T.
     const bool expand = mode == kfac::adapters::TokenReduction::expand;
     const at::Tensor xr = expand ? x.reshape({10, 4}).contiguous() : x.mean(1).contiguous();
-    const at::Tensor gr = expand ? gy.reshape({10, 3}).contiguous() : gy.sum(1).contiguous();
+    const at::Tensor gr = expand ? (gy.reshape({10, 3}) / std::sqrt(5.0)).contiguous() : gy.sum(1).contiguous();
     kfac::Preconditioner<double, Host> ref(options());
     ref.register_layer("fc", kfac::Dense(4, 3));
     ref.observe_input("fc", raw<double>(xr));
@@ -375,6 +377,44 @@ TEST_CASE("torch adapter: a Linear with 3-D input needs a token reduction", "[to
     CHECK(torch::allclose(fc->weight.grad(), w, 1e-10, 1e-13));
     CHECK(torch::allclose(fc->bias.grad(), b, 1e-10, 1e-13));
   }
+}
+
+TEST_CASE("torch adapter: a LayerNorm over tokens equals kfac fed torch's own normalized input", "[torch][adapter][layer_norm]") {
+  torch::manual_seed(21);
+  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({4}).eps(1e-3));
+  ln->to(at::kDouble);
+  {
+    torch::NoGradGuard no_grad;
+    ln->weight.uniform_(0.5, 1.5);
+    ln->bias.uniform_(-0.5, 0.5);
+  }
+  TorchPreconditioner kp(*ln, options());
+  CHECK((kp.modules() == std::vector<std::string>{"root"}));
+  const at::Tensor x = torch::randn({3, 2, 5, 4}, at::kDouble);  // (B, ..., D): 10 tokens per sample
+  at::Tensor gy;
+  at::Tensor y = observed(ln, x);
+  y.register_hook([&](const at::Tensor& g) { gy = g.clone(); });
+  (y.sin().sum() / 3.0).backward();
+  at::Tensor w = ln->weight.grad().clone(), b = ln->bias.grad().clone();
+  kp.precondition();
+  // torch's normalization, not kfac's, as the reference's x̂.
+  const at::Tensor xhat = torch::layer_norm(x, {4}, {}, {}, 1e-3).reshape({3, 10, 4}).contiguous();
+  const at::Tensor g = gy.reshape({3, 10, 4}).contiguous();
+  kfac::Preconditioner<double, Host> ref(options());
+  ref.register_layer("ln", kfac::LayerNorm(4));
+  ref.observe_input("ln", kfac::adapters::from_raw(xhat.data_ptr<double>(), 3, 10, 4));
+  ref.observe_output_grad("ln", kfac::adapters::from_raw(g.data_ptr<double>(), 3, 10, 4));
+  ref.set_gradient("ln", raw1<double>(w), raw1<double>(b));
+  ref.step();
+  CHECK(torch::allclose(ln->weight.grad(), w, 1e-10, 1e-13));
+  CHECK(torch::allclose(ln->bias.grad(), b, 1e-10, 1e-13));
+  CHECK(!torch::allclose(ln->weight.grad(), gy.new_zeros({4}), 1e-3, 1e-3));
+  // Normalized over two dimensions: named.
+  torch::nn::LayerNorm wide(torch::nn::LayerNormOptions({2, 4}));
+  std::string layer;
+  const std::string e = error_of([&] { TorchPreconditioner bad(*wide); }, &layer);
+  CHECK(layer == "root");
+  CHECK(has(e, "normalizes over its last 2 dimensions"));
 }
 
 TEST_CASE("torch adapter: skipped modules' gradients are untouched bit for bit", "[torch][adapter][skip]") {

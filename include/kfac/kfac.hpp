@@ -16,6 +16,7 @@
 #include "kfac/distributed/parameter_averager.hpp"
 #include "kfac/error.hpp"
 #include "kfac/layers/batch_norm.hpp"
+#include "kfac/layers/layer_norm.hpp"
 #include "kfac/layers/conv2d.hpp"
 #include "kfac/layers/dense.hpp"
 #include "kfac/methods/default_method.hpp"

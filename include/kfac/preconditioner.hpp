@@ -82,7 +82,7 @@ class Preconditioner {
   /// `register_layer("fc1", Dense(784, 256), KFAC<Full, Cholesky<>>{}.with_damping(1e-2))`.
   template <class LayerType, class Method>
   void register_layer(const std::string& name, const LayerType& layer, const Method& method) {
-    static_assert(is_layer_type_v<LayerType>, "kfac::register_layer: the second argument must be a layer type (kfac::Dense, kfac::Conv2d, kfac::BatchNorm2d)");
+    static_assert(is_layer_type_v<LayerType>, "kfac::register_layer: the second argument must be a layer type (kfac::Dense, kfac::Conv2d, kfac::BatchNorm2d, kfac::LayerNorm)");
     static_assert(is_method_v<Method>, "kfac::register_layer: the third argument must be a method object (kfac::KFAC<...>, kfac::UnitWiseFisher<...>)");
     static_assert(Method::template accepts<LayerType>, "kfac::register_layer: this method does not handle this layer type");
     try {  // the layer's own settings, checked now rather than at its first step()
@@ -145,17 +145,18 @@ class Preconditioner {
     return v;
   }
 
-  /// \brief The activations entering a layer: (batch, in) for Dense, (N, C, H, W) for Conv2d,
-  /// the normalized input xhat for BatchNorm2d. Row-major (LayoutRight) and contiguous.
+  /// \brief The activations entering a layer: (batch, in) or (batch, tokens, in) for Dense,
+  /// (N, C, H, W) for Conv2d, the normalized input xhat for BatchNorm2d. Row-major (LayoutRight)
+  /// and contiguous.
   template <class View>
   void observe_input(const std::string& name, const View& x) {
     auto& e = reg_.at(name);
     auto t = impl::as_tensor<Scalar, Exec>(name, x, "input");
-    impl::fail_if(name, e.block->check_input(impl::extents_of(t)));
+    impl::fail_if(name, e.block->check_input(impl::extents_of(t, int(View::rank))));
     if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
     if (!factor_due(e) || e.skipped || e.poisoned) return;  // a poisoned layer ignores the rest of its step
     if (impl::check_finite(exec_, options_, name, t, "input"))
-      allocating(name, "observe_input", [&] { e.block->observe_input(exec_, t); });
+      allocating(name, "observe_input", [&] { e.block->observe_input(exec_, t, int(View::rank)); });
     else poisoned_ = e.poisoned = true;
   }
   /// \brief The gradient of the loss with respect to the layer's output (pre-activation),
@@ -166,15 +167,16 @@ class Preconditioner {
     auto t = impl::as_tensor<Scalar, Exec>(name, g, "output gradient");
     if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
     if (!factor_due(e) || e.skipped || e.poisoned) {  // not used: its width is still checked
-      if (index_t(t.extent(1)) != e.block->weight_rows())
+      if (index_t(t.extent(View::rank == 3 ? 2 : 1)) != e.block->weight_rows())
         throw Error(name, "output gradient has shape " + impl::shape_string(g) + ", expected (batch, " +
-                              std::to_string(e.block->weight_rows()) + ", ...)");
+                              (View::rank == 3 ? "tokens, " : "") + std::to_string(e.block->weight_rows()) + ", ...)");
       return;
     }
-    impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t)));
+    impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t, int(View::rank))));
     if (!impl::check_finite(exec_, options_, name, t, "output gradient")) return void(poisoned_ = e.poisoned = true);
     allocating(name, "observe_output_grad", [&] {
-      e.block->observe_output_grad(exec_, t, options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0);
+      const double scale = options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0;
+      e.block->observe_output_grad(exec_, t, scale, int(View::rank));
     });
   }
   /// \brief The gradient to precondition in place at the next step(): the weight gradient
@@ -398,12 +400,15 @@ class Preconditioner {
   /// may match none: "batch_norm" for a network without one); a misspelt name would otherwise
   /// leave its layer preconditioned silently.
   void check_skip_layers() const {
+    const char* const kinds[] = {Dense::kind, Conv2d::kind, BatchNorm2d::kind, LayerNorm::kind};
+    std::string listed;
+    for (const char* k : kinds) listed += (listed.empty() ? "" : ", ") + std::string(k);
     for (const auto& s : options_.skip_layers) {
-      bool found = s == Dense::kind || s == Conv2d::kind || s == BatchNorm2d::kind;
+      bool found = std::find(std::begin(kinds), std::end(kinds), s) != std::end(kinds);
       for (const auto& e : reg_.entries()) found = found || s == e.block->name() || s == e.block->kind();
       if (!found)
         throw Error("", "Options::skip_layers entry '" + s + "' matches no registered layer name or kind of layer (" +
-                            std::string(Dense::kind) + ", " + Conv2d::kind + ", " + BatchNorm2d::kind + ")");
+                            listed + ", or a registered layer's own kind)");
     }
   }
   bool skipped(const std::string& name, const char* kind) const {

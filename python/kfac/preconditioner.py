@@ -42,8 +42,9 @@ _CONVENTIONS = ('kfac-pytorch', 'kfac')
 def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str, Any]:
     """What kfac's shared translation needs to know of one module owning parameters. Under
     kfac-pytorch's conventions, subclasses of Linear and Conv2d count as theirs and BatchNorm2d
-    is left to the optimizer (kfac-pytorch's registration); under kfac's, exact types only (a
-    subclass may change what forward computes) and affine BatchNorm2d too."""
+    and LayerNorm are left to the optimizer (kfac-pytorch's registration); under kfac's, exact
+    types only (a subclass may change what forward computes) and affine BatchNorm2d and LayerNorm
+    too."""
     d: dict[str, Any] = {
         'name': name,
         'type_name': _type_name(module),
@@ -69,6 +70,9 @@ def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str,
         )
     elif type(module) is torch.nn.BatchNorm2d and module.affine and not ours:
         d.update(type='batch_norm', num_features=module.num_features, eps=module.eps)
+    elif type(module) is torch.nn.LayerNorm and not ours:
+        shape = tuple(module.normalized_shape)
+        d.update(type='layer_norm', num_features=shape[-1], normalized_dims=len(shape), eps=module.eps)
     if not isinstance(d['weight'], torch.Tensor):
         d['weight'] = None
     if not isinstance(d['bias'], torch.Tensor):
@@ -90,7 +94,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         >>> optimizer.step()
 
     Args (kfac-pytorch's):
-        model: the model; its Linear and Conv2d modules are registered (and affine BatchNorm2d
+        model: the model; its Linear and Conv2d modules are registered (and affine BatchNorm2d and LayerNorm
             under conventions='kfac').
         factor_update_steps, inv_update_steps: intervals (int, or callable of the step).
         damping, factor_decay, kl_clip, lr: floats or callables of the step; kl_clip None
@@ -120,14 +124,16 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             the same damping on both factors.
         conventions: 'kfac-pytorch' (default: its factor scalings, factors starting at the
             identity, its accumulation and INVERSE damping; subclasses of Linear and Conv2d
-            registered, BatchNorm2d left to the optimizer) or 'kfac' (factors of per-sample
-            gradients, KFC for convolutions, BatchNorm2d's unit-wise Fisher).
+            registered, BatchNorm2d and LayerNorm left to the optimizer) or 'kfac' (factors of
+            per-sample gradients, KFC for convolutions, unit-wise Fisher of BatchNorm2d and LayerNorm).
         loss_reduction: with conventions='kfac': 'mean' (default; the loss is a mean over the
             batch) or 'sum'.
         nonfinite: 'raise' (default) or 'skip' (a step with NaN/Inf changes nothing).
         decomposition_delay: decompositions of step s used from step s + d.
         token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in);
-            default 'expand' (kfac-pytorch's conventions) or 'none' (kfac's).
+            default 'expand' (kfac-pytorch's conventions: tokens flattened into the batch, as
+            kfac-pytorch does) or 'none' (kfac's; 'expand' and 'reduce' are then Eschenhagen et
+            al. 2023's K-FAC-expand and K-FAC-reduce, docs/python.md).
         mpi_comm: an mpi4py communicator: kfac's factors are averaged over it (instead of
             torch.distributed's default group); the gradients are averaged by the caller.
         strict: False (default, as kfac-pytorch): a module with parameters whose type kfac has
@@ -267,6 +273,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             loss_reduction='sum' if pytorch else loss_reduction or 'mean',
             initial_factors='identity' if pytorch else 'batch',
             rescale_accumulated=not pytorch,
+            flatten_tokens=pytorch,
             nonfinite=nonfinite,
             decomposition_delay=decomposition_delay,
             token_reduction=token_reduction or ('expand' if pytorch else 'none'),
@@ -341,9 +348,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             d['skipped'] = any(hits)
             d['conventions'] = self.conventions
             # Left to the optimizer, and why: kfac-pytorch's rule is that what kfac has no layer for
-            # is the optimizer's alone (with strict=True an error instead, except BatchNorm2d, left
+            # is the optimizer's alone (with strict=True an error instead, except BatchNorm2d and LayerNorm, left
             # by the conventions themselves); a frozen one is listed by frozen() instead.
-            by_convention = type(module) is torch.nn.BatchNorm2d and self.conventions == 'kfac-pytorch'
+            by_convention = (type(module) in (torch.nn.BatchNorm2d, torch.nn.LayerNorm)
+                             and self.conventions == 'kfac-pytorch')
             if id(module) in never_called:
                 d['type'] = 'other'
                 why = "MultiheadAttention's out_proj, whose forward it never calls: left to the optimizer"

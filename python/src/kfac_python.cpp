@@ -169,6 +169,7 @@ TorchModuleSpec spec_from(const py::dict& d) {
   s.type = type == "linear" ? TorchModuleSpec::Type::linear
            : type == "conv2d" ? TorchModuleSpec::Type::conv2d
            : type == "batch_norm" ? TorchModuleSpec::Type::batch_norm
+           : type == "layer_norm" ? TorchModuleSpec::Type::layer_norm
                                   : TorchModuleSpec::Type::other;
   s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
   if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();
@@ -207,16 +208,17 @@ TorchModuleSpec spec_from(const py::dict& d) {
       s.padding = pair_of<int64_t, 2>(pad);
     }
     s.padding_mode = d["padding_mode"].cast<std::string>();
-  } else if (s.type == TorchModuleSpec::Type::batch_norm) {
+  } else if (s.type == TorchModuleSpec::Type::batch_norm || s.type == TorchModuleSpec::Type::layer_norm) {
     s.num_features = d["num_features"].cast<int64_t>();
     s.eps = d["eps"].cast<double>();
+    if (d.contains("normalized_dims")) s.normalized_dims = d["normalized_dims"].cast<int64_t>();
   }
   return s;
 }
 
 const kfac::impl::TorchFrontEnd& python_front_end() {
   static const kfac::impl::TorchFrontEnd f{
-      "KFACPreconditioner", "torch.nn.Linear, Conv2d or BatchNorm2d",
+      "KFACPreconditioner", "torch.nn.Linear, Conv2d, BatchNorm2d or LayerNorm",
       "add its name or class to skip_layers to leave it to the optimizer alone", "accumulation_steps",
       "its forward-pre hook did not fire on this factor-update step (was it called in training mode, with autograd "
       "on, through module(x) rather than functionally?)",
@@ -263,6 +265,7 @@ class PyPreconditioner {
           return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
         });
     if (settings.contains("rescale_accumulated")) core_->set_rescale_accumulated(settings["rescale_accumulated"].cast<bool>());
+    if (settings.contains("flatten_tokens")) core_->set_flatten_tokens(settings["flatten_tokens"].cast<bool>());
     live().insert(this);
   }
   ~PyPreconditioner() {
@@ -280,9 +283,7 @@ class PyPreconditioner {
   }
   void observe_input(std::size_t i, const at::Tensor& x) {
     auto& c = *core().captures().at(i);
-    long tokens = 1;
-    at::Tensor seen = kfac::impl::torch_observation(c, x, tokens);
-    c.add_input(std::move(seen), tokens);
+    c.add_input(kfac::impl::torch_observation(c, x));
   }
   bool observe_output_grad(std::size_t i, const at::Tensor& g) { return core().captures().at(i)->set_latest_grad(g); }
   std::vector<bool> wanted() const {

@@ -41,5 +41,18 @@ class ConvLinear(torch.nn.Module):
         return self.fc(F.relu(self.conv(x)).flatten(1))
 
 
+class Sequence(torch.nn.Module):
+    """(B, T, 4) tokens: a Linear over tokens, a LayerNorm, the tokens pooled, a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.head = torch.nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.fc(x))).mean(1))
+
+
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kfac
-from _nets import ConvLinear, grads
+from _nets import ConvLinear, Sequence, grads
 
 # kfac's conventions: factors of per-sample gradients, the same at any world size (kfac-pytorch's are not)
 SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1,
@@ -20,26 +20,35 @@ SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_
 STEPS, PER_RANK, WORLD = 3, 4, 2
 
 
-def _batches():
+# Conv2d + Linear; or a Linear over tokens (K-FAC-reduce), a LayerNorm and a head (kfac's new layer kinds)
+NETS = {'conv': (ConvLinear, (2, 5, 4), ['conv', 'fc']), 'tokens': (Sequence, (5, 4), ['fc', 'norm', 'head'])}
+
+
+def _batches(net: str):
     torch.manual_seed(41)
-    return [(torch.randn(WORLD * PER_RANK, 2, 5, 4, dtype=torch.float64), torch.randint(0, 4, (WORLD * PER_RANK,)))
+    shape = NETS[net][1]
+    return [(torch.randn(WORLD * PER_RANK, *shape, dtype=torch.float64), torch.randint(0, 4, (WORLD * PER_RANK,)))
             for _ in range(STEPS)]
 
 
-def _model():
+def _model(net: str):
     torch.manual_seed(43)
-    return ConvLinear().double()
+    return NETS[net][0]().double()
 
 
-def _worker(rank: int, port: int, out: str, strategy: str) -> None:
+def _settings(net: str) -> dict:
+    return dict(SETTINGS, token_reduction='reduce') if net == 'tokens' else SETTINGS
+
+
+def _worker(rank: int, port: int, out: str, strategy: str, net: str) -> None:
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group('gloo', rank=rank, world_size=WORLD)
-    model = torch.nn.parallel.DistributedDataParallel(_model())
-    p = kfac.KFACPreconditioner(model, grad_worker_fraction=kfac.DistributedStrategy[strategy], **SETTINGS)
-    assert p.modules() == ['module.conv', 'module.fc'], p.modules()
+    model = torch.nn.parallel.DistributedDataParallel(_model(net))
+    p = kfac.KFACPreconditioner(model, grad_worker_fraction=kfac.DistributedStrategy[strategy], **_settings(net))
+    assert p.modules() == [f'module.{m}' for m in NETS[net][2]], p.modules()
     steps = []
-    for x, y in _batches():
+    for x, y in _batches(net):
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()  # DDP averages the gradients
@@ -49,19 +58,19 @@ def _worker(rank: int, port: int, out: str, strategy: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize('strategy', ['COMM_OPT', 'MEM_OPT'])
-def test_two_gloo_processes_equal_one_process_on_the_whole_batch(tmp_path, strategy: str) -> None:
+@pytest.mark.parametrize(('strategy', 'net'), [('COMM_OPT', 'conv'), ('MEM_OPT', 'conv'), ('COMM_OPT', 'tokens')])
+def test_two_gloo_processes_equal_one_process_on_the_whole_batch(tmp_path, strategy: str, net: str) -> None:
     """COMM_OPT: every rank decomposes and preconditions; MEM_OPT (grad_worker_fraction 1/2):
     each layer's decompositions and preconditioning on one rank, its gradient broadcast."""
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path), strategy), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(port, str(tmp_path), strategy, net), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f'rank{r}.pt') for r in range(WORLD)]
 
-    model = _model()
-    p = kfac.KFACPreconditioner(model, **SETTINGS)
-    for step, (x, y) in enumerate(_batches()):
+    model = _model(net)
+    p = kfac.KFACPreconditioner(model, **_settings(net))
+    for step, (x, y) in enumerate(_batches(net)):
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         p.step()

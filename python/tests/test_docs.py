@@ -1,4 +1,4 @@
-"""Every ```python block of docs/python.md runs as printed."""
+"""Every ```python block of docs/python.md and docs/transformers.md runs as printed."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / 'docs' / 'python.md'
-BLOCKS = re.findall(r'```python\n(.*?)```', DOC.read_text(), flags=re.S)
+DOCS = pathlib.Path(__file__).resolve().parents[2] / 'docs'
+BLOCKS = [b for page in ('python.md', 'transformers.md')
+          for b in re.findall(r'```python\n(.*?)```', (DOCS / page).read_text(), flags=re.S)]
 
 
 def test_the_page_has_python_blocks() -> None:

@@ -243,23 +243,30 @@ def test_grad_scaler_unscales_the_output_gradients() -> None:
     _two_runs(plain, scaled, SETTINGS, dict(SETTINGS, grad_scaler=Scaler()))
 
 
-def test_token_reduction_expand_treats_tokens_as_samples() -> None:
-    """A Linear on (B, T, in) with token_reduction='expand' equals the same Linear on the (B T, in)
-    rows; without a token reduction the module is named."""
+def test_token_reduction_expand_is_k_fac_expand() -> None:
+    """kfac's conventions: a Linear on (B, T, in) with token_reduction='expand' is K-FAC-expand
+    (Eschenhagen et al. 2023): A over the B T token rows, G summed over the tokens and divided by
+    B. That is the same Linear on the (B T, in) rows (A and G over B T) with output gradients
+    divided by sqrt(T): its loss divided by sqrt(T), its parameter gradients multiplied back.
+    Without a token reduction the module is named."""
     torch.manual_seed(53)
     a, b = torch.nn.Linear(3, 4).double(), torch.nn.Linear(3, 4).double()
     b.load_state_dict(a.state_dict())
     pa = kfac.KFACPreconditioner(a, token_reduction='expand', **SETTINGS)
     pb = kfac.KFACPreconditioner(b, **SETTINGS)
+    root_t = 5.0**0.5
     for _ in range(2):
         x, y = torch.randn(2, 5, 3, dtype=torch.float64), torch.randint(0, 4, (10,))
         a.zero_grad()
         b.zero_grad()
         torch.nn.functional.cross_entropy(a(x).reshape(10, 4), y).backward()
-        torch.nn.functional.cross_entropy(b(x.reshape(10, 3)), y).backward()
+        (torch.nn.functional.cross_entropy(b(x.reshape(10, 3)), y) / root_t).backward()
+        for q in b.parameters():
+            q.grad *= root_t
         pa.step()
         pb.step()
         assert torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-12, atol=1e-15)
+        assert torch.allclose(a.bias.grad, b.bias.grad, rtol=1e-12, atol=1e-15)
     c = torch.nn.Linear(3, 4)
     pc = kfac.KFACPreconditioner(c, conventions='kfac')
     with pytest.raises(kfac.KFACError, match="token_reduction='expand' or 'reduce'") as info:

@@ -24,22 +24,40 @@ class Net(torch.nn.Module):
         return self.out(torch.tanh(self.fc(torch.relu(self.conv(x)).flatten(1))))
 
 
+class Tokens(torch.nn.Module):
+    """Linear layers over (batch, tokens, features): kfac-pytorch flattens the tokens into rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 4)
+        self.out = torch.nn.Linear(4, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x)))
+
+
+def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [model.conv, model.fc, model.out] if isinstance(model, Net) else [model.fc, model.out]
+
+
 def rows_a(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """kfac-pytorch's rows of A: the input (im2col patches divided by the T locations for a
-    convolution, its bias 1 included) with a trailing 1 for a bias."""
+    convolution, its bias 1 included; a Linear's leading dimensions flattened) with a trailing 1
+    for a bias."""
     if isinstance(m, torch.nn.Conv2d):
         patches = F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride)  # (N, C k k, T)
         t = patches.shape[-1]
         r = patches.transpose(1, 2).reshape(-1, patches.shape[1])
         r = torch.cat([r, torch.ones(r.shape[0], 1, dtype=r.dtype)], 1) if m.bias is not None else r
         return r / t
+    x = x.reshape(-1, x.shape[-1])
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1) if m.bias is not None else x
 
 
 def rows_g(m: torch.nn.Module, g: torch.Tensor) -> torch.Tensor:
     if isinstance(m, torch.nn.Conv2d):
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]) / (g.shape[2] * g.shape[3])
-    return g
+    return g.reshape(-1, g.shape[-1])
 
 
 def cov(r: torch.Tensor) -> torch.Tensor:
@@ -55,7 +73,7 @@ class Reference:
     """kfac-pytorch's step, from its formulas, in float64."""
 
     def __init__(self, model: torch.nn.Module, method: str, k: int, **h: float) -> None:
-        self.layers = [model.conv, model.fc, model.out]
+        self.layers = layers(model)
         self.method, self.k, self.h = method, k, h
         self.seen: dict[torch.nn.Module, list] = {m: [] for m in self.layers}
         self.a: dict = {}
@@ -105,26 +123,29 @@ class Reference:
 
 @pytest.mark.parametrize('method', ['eigen', 'inverse'])
 @pytest.mark.parametrize('accumulation', [1, 2])
-def test_default_conventions_are_kfac_pytorchs_formulas(method: str, accumulation: int) -> None:
+@pytest.mark.parametrize('model', ['cnn', 'tokens'])
+def test_default_conventions_are_kfac_pytorchs_formulas(method: str, accumulation: int, model: str) -> None:
     torch.manual_seed(3)
     h = dict(factor_update_steps=1, inv_update_steps=2, damping=0.003, factor_decay=0.9, kl_clip=0.001, lr=0.1)
-    ours, theirs = Net().double(), Net().double()
+    make = Net if model == 'cnn' else Tokens
+    ours, theirs = make().double(), make().double()
     theirs.load_state_dict(ours.state_dict())
     p = kfac.KFACPreconditioner(ours, compute_method=method, accumulation_steps=accumulation, **h)
     ref = Reference(theirs, method, accumulation, **h)
     scales = []
     for s in range(5):
-        x, y = torch.randn(8, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
-        for model in (ours, theirs):
-            model.zero_grad()
+        x = torch.randn(*((8, 2, 6, 6) if model == 'cnn' else (8, 5, 2)), dtype=torch.float64)
+        y = torch.randint(0, 3, (8,) if model == 'cnn' else (8, 5))
+        for net in (ours, theirs):
+            net.zero_grad()
             for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
-                (F.cross_entropy(model(xm), ym) / accumulation).backward()
+                (F.cross_entropy(net(xm).reshape(-1, 3), ym.reshape(-1)) / accumulation).backward()
         p.step()
         # the reference's preconditioned gradients, scaled by its KL clip, against ours
         nu = ref.step(s)
         scales.append(nu)
         assert p.last_kl_scale == pytest.approx(nu, rel=1e-9), s
-        for m_ours, m_ref in zip([ours.conv, ours.fc, ours.out], ref.layers):
+        for m_ours, m_ref in zip(layers(ours), ref.layers):
             v = ref.inv[m_ref]
             x_ref = grad_matrix(m_ref)
             if method == 'eigen':

@@ -73,12 +73,12 @@ def test_the_rest_is_refused_by_name_when_strict() -> None:
         ('reflect', 'only zero padding is supported (padding_mode reflect)'),
         ('asym', "padding 'same' with an even dilated kernel pads asymmetrically"),
         ('emb', '(torch.nn.Embedding) owns parameters but kfac has no layer type'),
-        ('norm', '(torch.nn.LayerNorm)'),
         ('up', '(torch.nn.ConvTranspose2d)'),
         ('custom', 'Custom) owns parameters'),
     ]:
         assert f"'{name}'" in text and why in text, (name, text)
     assert "'fc'" not in text
+    assert "'norm'" not in text  # kfac-pytorch's conventions leave LayerNorm to the optimizer, as BatchNorm2d
     assert isinstance(info.value, RuntimeError)
 
 
@@ -90,7 +90,7 @@ def test_one_refused_module_is_the_errors_layer() -> None:
     # The C++ core's text, as kfac::Error writes it.
     assert str(info.value) == (
         "kfac: layer '0': (torch.nn.Embedding) owns parameters but kfac has no layer type for it "
-        '(supported: torch.nn.Linear, Conv2d or BatchNorm2d); add its name or class to skip_layers '
+        '(supported: torch.nn.Linear, Conv2d, BatchNorm2d or LayerNorm); add its name or class to skip_layers '
         'to leave it to the optimizer alone'
     )
 
@@ -105,13 +105,14 @@ def test_the_rest_is_left_to_the_optimizer_by_default() -> None:
                                                     torch.nn.ConvTranspose2d(4, 4, 3), torch.nn.Linear(4, 2)))
     assert p.modules() == ['4']
     skipped = p.skipped()
-    assert skipped[:2] == [f'0 (torch.nn.Embedding, {LEFT})', f'1 (torch.nn.LayerNorm, {LEFT})']
+    by_convention = "kfac-pytorch's conventions: left to the optimizer (conventions='kfac' preconditions it)"
+    assert skipped[:2] == [f'0 (torch.nn.Embedding, {LEFT})', f'1 (torch.nn.LayerNorm, {by_convention})']
     assert skipped[2].startswith('2 (') and skipped[2].endswith(f'.Custom, {LEFT})'), skipped[2]
     assert skipped[3:] == [f'3 (torch.nn.ConvTranspose2d, {LEFT})']
     with pytest.raises(kfac.KFACError, match="layer 'grouped'.*grouped convolutions"):
         kfac.KFACPreconditioner(torch.nn.ModuleDict({'grouped': torch.nn.Conv2d(4, 4, 3, groups=2),
                                                      'fc': torch.nn.Linear(4, 2)}))
-    with pytest.raises(kfac.KFACError, match='no torch.nn.Linear, Conv2d or BatchNorm2d module'):
+    with pytest.raises(kfac.KFACError, match='no torch.nn.Linear, Conv2d, BatchNorm2d or LayerNorm module'):
         kfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Embedding(10, 4)))
 
 
@@ -151,11 +152,13 @@ def test_a_transformer_encoder_trains_with_its_linears_preconditioned(convention
     torch.manual_seed(0)
     model = TinyLM()
     p = kfac.KFACPreconditioner(model, token_reduction='expand', conventions=conventions)
-    assert p.modules() == ['encoder.layers.0.linear1', 'encoder.layers.0.linear2', 'encoder.layers.1.linear1',
-                           'encoder.layers.1.linear2', 'head']
+    # kfac's conventions precondition the LayerNorms too (kfac-pytorch's leave them to the optimizer).
+    norms = conventions == 'kfac'
+    per_layer = [('linear1', True), ('linear2', True), ('norm1', norms), ('norm2', norms)]
+    assert p.modules() == [f'encoder.layers.{i}.{m}' for i in range(2) for m, on in per_layer if on] + ['head']
     left = [s.split(' ')[0] for s in p.skipped()]
-    per_layer = [f'encoder.layers.{i}.{m}' for i in range(2) for m in ('self_attn', 'self_attn.out_proj', 'norm1', 'norm2')]
-    assert left == ['emb', *per_layer]
+    per_layer = [('self_attn', True), ('self_attn.out_proj', True), ('norm1', not norms), ('norm2', not norms)]
+    assert left == ['emb', *[f'encoder.layers.{i}.{m}' for i in range(2) for m, on in per_layer if on]]
     # A subclass of Linear (kfac-pytorch registers those) that its owner never calls.
     out_proj = [s for s in p.skipped() if s.startswith('encoder.layers.0.self_attn.out_proj ')]
     assert out_proj == [f'encoder.layers.0.self_attn.out_proj (torch.nn.NonDynamicallyQuantizableLinear, {OUT_PROJ})']

@@ -13,6 +13,9 @@
 ///   `copy_back(view, m)` writes a preconditioned copy back into the ColMajor matrix.
 /// - `as_eigen(view)` is an `Eigen::Map` over a contiguous host view, without copying.
 ///
+/// - `from_eigen(m, tokens)` views a (batch x tokens, features) row-major matrix as the
+///   (batch, tokens, features) observation of a Dense layer over sequences.
+///
 /// \code
 /// using RowMatrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 /// RowMatrix x(batch, in), dw(out, in);
@@ -32,6 +35,7 @@
 #include <Kokkos_Core.hpp>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "kfac/adapters/raw.hpp"
 #include "kfac/error.hpp"
@@ -83,6 +87,21 @@ auto from_eigen(E&& m) {
                           "); copy it with to_row_major_view");
     return unmanaged_view<T**>(m.data(), std::size_t(m.rows()), std::size_t(m.cols()));
   }
+}
+
+/// \brief A (batch x tokens, features) row-major matrix, rows grouped by sample, as the
+/// (batch, tokens, features) view a Dense layer over sequences observes, without copying.
+/// \param m [in] as for from_eigen(m), a matrix
+/// \param tokens [in] tokens per sample, >= 1, dividing m.rows() (throws kfac::Error otherwise)
+template <class E>
+auto from_eigen(E&& m, long tokens) {
+  auto v = from_eigen(std::forward<E>(m));
+  static_assert(decltype(v)::rank == 2, "kfac::adapters::from_eigen(m, tokens): expected a matrix, not a vector");
+  if (tokens < 1 || long(v.extent(0)) % tokens != 0)
+    throw Error("", "adapters::from_eigen: " + std::to_string(tokens) + " tokens per sample do not divide the " +
+                        impl::eigen_shape(long(v.extent(0)), long(v.extent(1))) + " matrix's rows");
+  using T = typename decltype(v)::value_type;
+  return unmanaged_view<T***>(v.data(), std::size_t(long(v.extent(0)) / tokens), std::size_t(tokens), v.extent(1));
 }
 
 /// \brief A row-major **copy** of any Eigen matrix expression, e.g. a ColMajor matrix, as a

@@ -33,7 +33,7 @@ inline void check_raw_pointer(const void* data, std::size_t count) {
 namespace adapters {
 
 /// \brief An unmanaged row-major view, e.g. `unmanaged_view<const float**>`.
-/// \tparam DataType Kokkos data type (`T*`, `T**`, `T****`, optionally const).
+/// \tparam DataType Kokkos data type (`T*`, `T**`, `T***`, `T****`, optionally const).
 /// \tparam MemorySpace where the memory lives (default Kokkos::HostSpace).
 template <class DataType, class MemorySpace = Kokkos::HostSpace>
 using unmanaged_view = Kokkos::View<DataType, Kokkos::LayoutRight, MemorySpace,
@@ -59,6 +59,15 @@ unmanaged_view<T**, MemorySpace> from_raw(T* data, std::size_t n0, std::size_t n
                 "kfac::adapters::from_raw: the template argument must be a Kokkos memory space");
   impl::check_raw_pointer(data, n0 * n1);
   return unmanaged_view<T**, MemorySpace>(data, n0, n1);
+}
+
+/// \brief Rank-3 row-major view: Dense observations over sequences (batch, tokens, features).
+template <class MemorySpace = Kokkos::HostSpace, class T>
+unmanaged_view<T***, MemorySpace> from_raw(T* data, std::size_t n0, std::size_t n1, std::size_t n2) {
+  static_assert(Kokkos::is_memory_space<MemorySpace>::value,
+                "kfac::adapters::from_raw: the template argument must be a Kokkos memory space");
+  impl::check_raw_pointer(data, n0 * n1 * n2);
+  return unmanaged_view<T***, MemorySpace>(data, n0, n1, n2);
 }
 
 /// \brief Rank-4 row-major view: NCHW activations and output gradients of Conv2d and

@@ -15,7 +15,8 @@
 /// \endcode
 ///
 /// **Registration.** The constructor walks `model.named_modules()` once and registers every
-/// `torch::nn::Linear`, `Conv2d` and `BatchNorm2d` (affine) under its path ("features.0"),
+/// `torch::nn::Linear`, `Conv2d`, `BatchNorm2d` (affine) and `LayerNorm` (affine, over the last
+/// dimension) under its path ("features.0"),
 /// except the modules matched by TorchOptions::with_skip (name patterns with `*` and `?`, or
 /// types) and frozen modules (every parameter `requires_grad = false`, as kfac-pytorch skips
 /// them; listed by frozen() and skipped()). A module kfac cannot handle — a grouped or depthwise convolution, non-zero padding
@@ -27,7 +28,7 @@
 /// virtual), so nothing can intercept `conv1(x)`. The least intrusive way that works is a call
 /// wrapper: `observed(conv1, x)` runs `conv1(x)` and, for a registered module in training mode
 /// with autograd on, on a step that wants observations, keeps a reference to the input (no copy;
-/// BatchNorm2d: the normalized input, computed with the batch statistics as the module does)
+/// BatchNorm2d and LayerNorm: the normalized input, computed as the module does)
 /// and hooks the output tensor (`register_hook`) for its gradient. For any other module, or when
 /// no TorchPreconditioner is alive, it is just `conv1(x)`. The model needs no access to the
 /// preconditioner.
@@ -110,7 +111,7 @@ namespace impl {
 /// The wording of the C++ front end in the shared core's messages.
 inline const TorchFrontEnd& cpp_front_end() {
   static const TorchFrontEnd f{
-      "TorchPreconditioner", "torch::nn::Linear, Conv2d or BatchNorm2d",
+      "TorchPreconditioner", "torch::nn::Linear, Conv2d, BatchNorm2d or LayerNorm",
       "add it to TorchOptions::with_skip to leave it to the optimizer alone", "TorchOptions::accumulation_steps",
       "its forward was not called through kfac::adapters::observed() in training mode with autograd on",
       "state how tokens reduce with TorchOptions::with_token_reduction(TokenReduction::expand or ::reduce)"};
@@ -161,7 +162,7 @@ namespace adapters {
 template <class ModuleRef>
 at::Tensor observed(ModuleRef& module, const at::Tensor& x);
 
-/// \brief K-FAC for the Linear, Conv2d and BatchNorm2d modules of a LibTorch model (CPU).
+/// \brief K-FAC for the Linear, Conv2d, BatchNorm2d and LayerNorm modules of a LibTorch model (CPU).
 /// Under MPI (TorchOptions::with_mpi) every rank builds one from the same model and calls
 /// precondition() at every step; a check that fails on one rank fails on all.
 /// See the file description for the protocol; docs/torch.md for the whole page.

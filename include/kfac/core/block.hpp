@@ -255,14 +255,15 @@ class Block {
   /// the check against the observation it pairs with. Empty when valid.
   std::string check_input(const Extents& e) const { return observations().check_input(e); }
   std::string check_output_grad(const Extents& e) const { return observations().check_output_grad(e); }
-  /// Passes a checked observation to the block (add_input), then counts it.
-  void observe_input(const Exec& exec, const tensor_type& x) {
+  /// Passes a checked observation, handed in as a view of rank `rank`, to the block
+  /// (add_input), then counts it.
+  void observe_input(const Exec& exec, const tensor_type& x, int rank = 4) {
     add_input(exec, x);
-    pairs_.add_input(extents_of(x));
+    pairs_.add_input(extents_of(x, rank));
   }
-  void observe_output_grad(const Exec& exec, const tensor_type& g, double scale) {
+  void observe_output_grad(const Exec& exec, const tensor_type& g, double scale, int rank = 4) {
     add_output_grad(exec, g, scale);
-    pairs_.add_output_grad(extents_of(g));
+    pairs_.add_output_grad(extents_of(g, rank));
   }
   void clear_observations() {
     drop_observations();

@@ -44,8 +44,8 @@ class ObservationPairs {
     // The output gradient it pairs with was observed first: check that pair now.
     const std::string pair = grads_[k][0] != e[0] ? "the batches differ" : grad_check_(grads_[k], e);
     if (pair.empty()) return {};
-    return "input has shape " + extents_string(e.data(), 4) + " but the output gradient observed before it " +
-           "(observation " + std::to_string(k + 1) + " of this step) has shape " + extents_string(grads_[k].data(), 4) +
+    return "input has shape " + e.str() + " but the output gradient observed before it " +
+           "(observation " + std::to_string(k + 1) + " of this step) has shape " + grads_[k].str() +
            ": " + pair;
   }
   /// The problem with an output gradient of extents `e` observed now, or an empty string. A
@@ -84,7 +84,7 @@ class ObservationPairs {
   std::function<std::string(const Extents&, const Extents&)> grad_check_;
   Order order_ = Order::either;
   std::vector<Extents> inputs_, grads_;
-  Extents last_input_{0, 0, 0, 0};
+  Extents last_input_{{0, 0, 0, 0}, 4};
 };
 
 }  // namespace impl

@@ -5,31 +5,23 @@
 
 #include <type_traits>
 
-#include "kfac/layers/batch_norm.hpp"
 #include "kfac/methods/kfac/kfac_method.hpp"
 #include "kfac/methods/unit_wise/unit_wise_fisher.hpp"
 
 namespace kfac {
 
-/// \brief default_method<L>::type: KFAC<> for Dense and Conv2d, UnitWiseFisher<> for BatchNorm2d.
-/// Specialize it for a layer type of your own.
+/// \brief default_method<L>::type: KFAC<> for Kronecker layer types (Dense, Conv2d),
+/// UnitWiseFisher<> for the others (BatchNorm2d, LayerNorm). Specialize it for a layer type of
+/// your own.
 template <class LayerType, class = void>
 struct default_method {
-  using type = KFAC<>;
-};
-template <>
-struct default_method<BatchNorm2d> {
-  using type = UnitWiseFisher<>;
+  using type = std::conditional_t<LayerType::is_kronecker, KFAC<>, UnitWiseFisher<>>;
 };
 
 namespace impl {
 template <class LayerType>
 struct default_factor {
-  using type = Symmetric;
-};
-template <>
-struct default_factor<BatchNorm2d> {
-  using type = UnitWise;
+  using type = std::conditional_t<LayerType::is_kronecker, Symmetric, UnitWise>;
 };
 
 /// The method named by a policy list: K-FAC for Kronecker layers, the unit-wise Fisher otherwise.

@@ -68,7 +68,7 @@ struct LayerShape {
   std::string kind;              ///< "dense", "conv2d" or "batch_norm" (matched by skip_layers)
   index_t a_dim = 0;             ///< A is a_dim x a_dim (Kronecker layers)
   index_t g_dim = 0;             ///< G is g_dim x g_dim; the gradient is g_dim x a_dim
-  index_t channels = 0;          ///< BatchNorm2d channels (0 for Kronecker layers)
+  index_t channels = 0;          ///< units of a unit-wise layer: channels, features (0 for Kronecker layers)
   bool kronecker = true;
   bool packed = true;            ///< matrix statistics travel as packed upper triangles (kfac::Symmetric)
   std::size_t factor_scalar = 8;         ///< bytes per value of the averaged statistics
@@ -106,7 +106,7 @@ struct LayerShape {
       s.g_dim = layer.g_dim();
     } else {
       s.kronecker = false;
-      s.channels = layer.channels();
+      s.channels = layer.weight_rows();
     }
     return s;
   }

@@ -24,7 +24,7 @@
 namespace kfac {
 namespace impl {
 
-enum class TorchKind { dense, conv2d, batch_norm };
+enum class TorchKind { dense, conv2d, batch_norm, layer_norm };
 
 /// \brief The inversion a Linear or Conv2d module gets (BatchNorm2d always gets UnitWiseFisher).
 enum class TorchMethod {
@@ -45,7 +45,7 @@ struct TorchFrontEnd {
 
 /// \brief One module that owns parameters, as a front end found it.
 struct TorchModuleSpec {
-  enum class Type { linear, conv2d, batch_norm, other };
+  enum class Type { linear, conv2d, batch_norm, layer_norm, other };
   std::string name;       ///< path in the model ("features.0"; "root" for the model itself)
   std::string type_name;  ///< the type as the front end spells it ("torch::nn::Conv2d", "torch.nn.Conv2d")
   Type type = Type::other;
@@ -61,7 +61,8 @@ struct TorchModuleSpec {
   std::array<int64_t, 2> kernel{{1, 1}}, stride{{1, 1}}, dilation{{1, 1}}, padding{{0, 0}};
   bool padding_same = false;
   std::string padding_mode = "zeros";
-  int64_t num_features = 0;  ///< BatchNorm2d
+  int64_t num_features = 0;    ///< BatchNorm2d; LayerNorm: the size of its last normalized dimension
+  int64_t normalized_dims = 1;  ///< LayerNorm: the dimensions it normalizes over (kfac: the last one)
   double eps = 1e-5;
 };
 
@@ -70,27 +71,25 @@ struct TorchCapture {
   std::string name;
   TorchKind kind = TorchKind::dense;
   adapters::TokenReduction tokens = adapters::TokenReduction::none;
+  bool flatten_tokens = false;  ///< expand as kfac-pytorch does: tokens flattened into the batch
   const TorchFrontEnd* front = nullptr;
-  double bn_eps = 1e-5;
+  double bn_eps = 1e-5;  ///< BatchNorm2d, LayerNorm
   bool wanted = true;   ///< the next step updates this module's statistics
   long generation = 0;  ///< bumped when the observations are dropped; stale hooks then do nothing
   std::mutex mutex;     ///< hooks may run on autograd's threads
   std::vector<at::Tensor> inputs, grads;  ///< per call: the input kfac sees, its output gradient
-  std::vector<long> tokens_per_row;       ///< per call: T for TokenReduction::reduce, else 1
 
   void clear() {
     std::lock_guard<std::mutex> lock(mutex);
     inputs.clear();
     grads.clear();
-    tokens_per_row.clear();
     ++generation;
   }
   /// \brief Records one call's input (already as kfac sees it); returns its slot.
-  std::size_t add_input(at::Tensor seen, long tokens_per) {
+  std::size_t add_input(at::Tensor seen) {
     std::lock_guard<std::mutex> lock(mutex);
     inputs.push_back(std::move(seen));
     grads.emplace_back();
-    tokens_per_row.push_back(tokens_per);
     return inputs.size() - 1;
   }
   /// \brief The output gradient of the call in `slot`, recorded in `generation`.
@@ -136,11 +135,18 @@ inline void throw_module_problems(const std::vector<ModuleProblem>& problems, co
   throw Error("", all);
 }
 
-/// What kfac sees of one call's input: the input itself (Linear, Conv2d), reduced over tokens
-/// (Linear on sequences), or the normalized input x̂ (BatchNorm2d). No copy unless a reduction
-/// or x̂ needs one.
-inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x, long& tokens) {
-  tokens = 1;
+/// A Linear's input or output gradient over tokens (batch, ..., features): (batch, tokens,
+/// features), or (batch x tokens, features) for kfac-pytorch's expand.
+inline at::Tensor torch_tokens(const TorchCapture& c, const at::Tensor& t) {
+  const int64_t width = t.size(-1);
+  return c.flatten_tokens ? t.reshape({-1, width}) : t.reshape({t.size(0), -1, width});
+}
+
+/// What kfac sees of one call's input: the input itself (Linear, Conv2d), a Linear's input over
+/// tokens as (batch, tokens, in) (kfac's Dense reduces the tokens as the module's TokenReduction
+/// says) or, under kfac-pytorch's conventions, flattened into (batch x tokens, in), or the
+/// normalized input x̂ (BatchNorm2d). No copy unless x̂ needs one.
+inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x) {
   const std::string dev = torch_device_problem(x, "the input");
   if (!dev.empty()) throw Error(c.name, dev);
   const at::Tensor xd = x.detach();
@@ -148,18 +154,10 @@ inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x, 
     case TorchKind::dense: {
       if (xd.dim() == 2) return xd;
       if (xd.dim() < 2) throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batch dimension (batch, in)");
-      const int64_t in = xd.size(-1);
-      switch (c.tokens) {
-        case adapters::TokenReduction::none:
-          throw Error(c.name, "input has shape " + torch_shape(xd) + " (a sequence: batch, tokens, ..., in); " + c.front->token_hint);
-        case adapters::TokenReduction::expand: return xd.reshape({-1, in});
-        case adapters::TokenReduction::reduce: {
-          const at::Tensor seq = xd.reshape({xd.size(0), -1, in});
-          tokens = long(seq.size(1));
-          return seq.mean(1);
-        }
-      }
-      break;
+      if (c.tokens == adapters::TokenReduction::none)
+        throw Error(c.name, "input has shape " + torch_shape(xd) + " (a sequence: batch, tokens, ..., in); " +
+                                c.front->token_hint);
+      return torch_tokens(c, xd);
     }
     case TorchKind::conv2d:
       if (xd.dim() != 4) throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batched (N, C, H, W) input");
@@ -171,16 +169,23 @@ inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x, 
       const at::Tensor var = xd.var({0, 2, 3}, /*unbiased=*/false, /*keepdim=*/true);
       return (xd - mean) * torch::rsqrt(var + c.bn_eps);
     }
+    case TorchKind::layer_norm: {
+      if (xd.dim() < 2)
+        throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batch dimension (batch, ..., D)");
+      // Each row normalized over its last dimension, with the biased variance, as the module does.
+      const at::Tensor mean = xd.mean({-1}, /*keepdim=*/true);
+      const at::Tensor var = xd.var({-1}, /*unbiased=*/false, /*keepdim=*/true);
+      const at::Tensor xhat = (xd - mean) * torch::rsqrt(var + c.bn_eps);
+      return xd.dim() == 2 ? xhat : xhat.reshape({xd.size(0), -1, xd.size(-1)});
+    }
   }
   return xd;
 }
 
-/// The output gradient as kfac sees it, reduced like the call's input.
-inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g, long tokens) {
-  if (c.kind != TorchKind::dense || g.dim() == 2) return g;
-  const int64_t out = g.size(-1);
-  if (c.tokens == adapters::TokenReduction::expand) return g.reshape({-1, out});
-  return g.reshape({g.size(0), tokens, out}).sum(1);
+/// The output gradient as kfac sees it, shaped like the call's input.
+inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g) {
+  if (c.kind == TorchKind::layer_norm && g.dim() > 2) return g.reshape({g.size(0), -1, g.size(-1)});
+  return c.kind != TorchKind::dense || g.dim() == 2 ? g : torch_tokens(c, g);
 }
 
 /// The type-erased Preconditioner: one implementation per Scalar (float, double) and communicator.
@@ -190,10 +195,11 @@ class TorchBackend {
   virtual void add(const std::string& name, const Dense& l, TorchMethod m, const Cholesky<>& inverse) = 0;
   virtual void add(const std::string& name, const Conv2d& l, TorchMethod m, const Cholesky<>& inverse) = 0;
   virtual void add(const std::string& name, const BatchNorm2d& l) = 0;
+  virtual void add(const std::string& name, const LayerNorm& l) = 0;
   virtual bool wants_observations() const = 0;
   virtual bool wants_observations(const std::string& name) const = 0;
   virtual bool is_skipped(const std::string& name) const = 0;
-  /// Tensors contiguous, of the backend's dtype, rank 2 or 4.
+  /// Tensors contiguous, of the backend's dtype, rank 2, 3 or 4.
   virtual void observe(const std::string& name, const at::Tensor& x, const at::Tensor& g) = 0;
   /// `b` undefined for a layer without bias.
   virtual void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) = 0;
@@ -223,6 +229,7 @@ class TorchBackendOf final : public TorchBackend {
     add_kronecker(name, l, m, inverse);
   }
   void add(const std::string& name, const BatchNorm2d& l) override { pre_.register_layer(name, l); }
+  void add(const std::string& name, const LayerNorm& l) override { pre_.register_layer(name, l); }
   bool wants_observations() const override { return pre_.wants_observations(); }
   bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
   bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
@@ -230,8 +237,10 @@ class TorchBackendOf final : public TorchBackend {
     const Scalar* xp = x.data_ptr<Scalar>();
     const Scalar* gp = g.data_ptr<Scalar>();
     if (x.dim() == 4) pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1), n(x, 2), n(x, 3)));
+    else if (x.dim() == 3) pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1), n(x, 2)));
     else pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1)));
     if (g.dim() == 4) pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1), n(g, 2), n(g, 3)));
+    else if (g.dim() == 3) pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1), n(g, 2)));
     else pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1)));
   }
   void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) override {
@@ -296,6 +305,13 @@ class TorchCore {
   /// accumulation_steps (default: yes, so that G is the one batch's; kfac-pytorch's conventions:
   /// no, its G is the average of the micro-batches' own, of gradients k times smaller).
   void set_rescale_accumulated(bool on) { rescale_accumulated_ = on; }
+  /// \brief Whether TokenReduction::expand flattens a Linear's tokens into its batch, as
+  /// kfac-pytorch does (A and G both divided by batch x tokens; kfac-pytorch's conventions), instead
+  /// of handing (batch, tokens, in) to kfac's Dense (Eschenhagen et al.'s expand: G divided by the
+  /// batch; default).
+  void set_flatten_tokens(bool on) {
+    for (auto& c : captures_) c->flatten_tokens = on && c->tokens == adapters::TokenReduction::expand;
+  }
 
  private:
   struct Entry {
@@ -322,6 +338,7 @@ struct TorchTranslation {
   std::optional<Dense> dense;
   std::optional<Conv2d> conv;
   std::optional<BatchNorm2d> bn;
+  std::optional<LayerNorm> ln;
 };
 
 inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s, const TorchFrontEnd& front,
@@ -362,6 +379,15 @@ inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s,
     case TorchModuleSpec::Type::batch_norm:
       t.kind = TorchKind::batch_norm;
       t.bn.emplace(index_t(s.num_features));
+      return t;
+    case TorchModuleSpec::Type::layer_norm:
+      if (s.normalized_dims != 1) {
+        problem = "normalizes over its last " + std::to_string(s.normalized_dims) +
+                  " dimensions; kfac's LayerNorm normalizes over the last one";
+        return std::nullopt;
+      }
+      t.kind = TorchKind::layer_norm;
+      t.ln.emplace(index_t(s.num_features), s.bias.defined());
       return t;
     case TorchModuleSpec::Type::other: break;
   }
@@ -431,8 +457,12 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
   backend_ = make_backend(dtype_, std::move(options));
   for (const Found& f : found) {
     const TorchModuleSpec& s = *f.spec;
-    if (f.layer.dense) backend_->add(s.name, *f.layer.dense, s.method, s.inverse);
+    if (f.layer.dense)
+      backend_->add(s.name, Dense(*f.layer.dense).with_tokens(tokens == adapters::TokenReduction::reduce
+                                                                  ? Dense::Tokens::reduce : Dense::Tokens::expand),
+                    s.method, s.inverse);
     else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method, s.inverse);
+    else if (f.layer.ln) backend_->add(s.name, *f.layer.ln);
     else backend_->add(s.name, *f.layer.bn);
     auto capture = std::make_shared<TorchCapture>();
     capture->name = s.name;
@@ -512,7 +542,7 @@ inline void TorchCore::precondition() {
     const TorchCapture& c = *cp;
     if (!c.wanted || !problems.empty()) continue;
     for (std::size_t i = 0; i < c.inputs.size(); ++i) {
-      Observation o{&c.name, as_kfac(c.inputs[i]), output_grad(torch_output_grad(c, c.grads[i], c.tokens_per_row[i]))};
+      Observation o{&c.name, as_kfac(c.inputs[i]), output_grad(torch_output_grad(c, c.grads[i]))};
       if (check_finite && !torch::isfinite(o.x).all().item<bool>())
         problems.push_back({c.name, "non-finite values (NaN/Inf) in its input; nothing was preconditioned"});
       else if (check_finite && !torch::isfinite(o.g).all().item<bool>())

@@ -26,8 +26,7 @@ at::Tensor observed(ModuleRef& module, const at::Tensor& x) {
   auto* mod = module.get();  // ModuleHolder::get() or std::shared_ptr::get()
   const auto capture = impl::TorchRegistry::instance().find(mod);
   if (!capture || !capture->wanted || !mod->is_training() || !at::GradMode::is_enabled()) return mod->forward(x);
-  long tokens = 1;
-  at::Tensor seen = impl::torch_observation(*capture, x, tokens);
+  at::Tensor seen = impl::torch_observation(*capture, x);
   at::Tensor y = mod->forward(x);
   if (!y.requires_grad()) return y;
   long generation;
@@ -35,7 +34,7 @@ at::Tensor observed(ModuleRef& module, const at::Tensor& x) {
     std::lock_guard<std::mutex> lock(capture->mutex);
     generation = capture->generation;
   }
-  const std::size_t slot = capture->add_input(std::move(seen), tokens);
+  const std::size_t slot = capture->add_input(std::move(seen));
   y.register_hook([capture, slot, generation](const at::Tensor& g) { capture->set_grad(slot, generation, g); });
   return y;
 }
@@ -86,6 +85,13 @@ inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, 
       s.eps = b->options.eps();
       s.weight = b->weight;
       s.bias = b->bias;
+    } else if (const auto* n = m.as<torch::nn::LayerNorm>()) {
+      s.type = impl::TorchModuleSpec::Type::layer_norm;
+      s.num_features = n->options.normalized_shape().back();
+      s.normalized_dims = int64_t(n->options.normalized_shape().size());
+      s.eps = n->options.eps();
+      s.weight = n->weight;
+      s.bias = n->bias;
     }
     specs.push_back(std::move(s));
     modules.push_back(&m);
@@ -125,7 +131,8 @@ inline bool TorchPreconditioner::is_skipped(const std::string& name, const torch
   const std::string type = impl::torch_type_name(m);                          // torch::nn::Conv2d
   const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
   const char* kind = m.as<torch::nn::Linear>() ? Dense::kind : m.as<torch::nn::Conv2d>() ? Conv2d::kind
-                     : m.as<torch::nn::BatchNorm2d>() ? BatchNorm2d::kind : "";
+                     : m.as<torch::nn::BatchNorm2d>() ? BatchNorm2d::kind
+                     : m.as<torch::nn::LayerNorm>() ? LayerNorm::kind : "";
   for (const auto& s : torch_options_.skip)
     if (impl::glob_match(s.c_str(), name.c_str()) || s == type || s == type + "Impl" || s == short_type || s == kind)
       return true;

@@ -1,7 +1,7 @@
 #pragma once
 /// \file batch_norm_block.hpp
-/// \brief The block of a BatchNorm scale-and-shift, preconditioned with the unit-wise or
-/// diagonal Fisher: closed form, no decomposable units.
+/// \brief The block of a normalization layer's scale-and-shift (BatchNorm2d, LayerNorm),
+/// preconditioned with the unit-wise or diagonal Fisher: closed form, no decomposable units.
 
 #include <limits>
 #include <string>
@@ -10,16 +10,19 @@
 #include "kfac/core/block.hpp"
 #include "kfac/core/precision.hpp"
 #include "kfac/layers/batch_norm.hpp"
+#include "kfac/layers/layer_norm.hpp"
 #include "kfac/methods/kfac/factors.hpp"
 
 namespace kfac {
 
-/// \brief Per-channel Fisher blocks of BatchNorm (Osawa et al. 2019).
+/// \brief Per-unit Fisher blocks of a normalization layer's scale and shift (Osawa et al. 2019):
+/// the channels of BatchNorm2d, the features of LayerNorm.
 ///
-/// Per channel c the running Fisher is \f$F_c = E_n[(g^\gamma, g^\beta)^T (g^\gamma, g^\beta)]\f$
-/// (3 stored values). kfac::UnitWise preconditions with \f$(F_c + \gamma I)^{-1}\f$ (2x2, closed
-/// form); kfac::Diagonal with \f$\mathrm{diag}(F_c) + \gamma\f$.
-template <class FactorPolicy, class Prec, class Scalar, class Exec>
+/// Per unit c the running Fisher is \f$F_c = E_n[(g^\gamma, g^\beta)^T (g^\gamma, g^\beta)]\f$
+/// (3 stored values), the per-sample products formed by the layer type (`add_unit_products`).
+/// kfac::UnitWise preconditions with \f$(F_c + \gamma I)^{-1}\f$ (2x2, closed form; 1x1 for a
+/// layer without a shift); kfac::Diagonal with \f$\mathrm{diag}(F_c) + \gamma\f$.
+template <class FactorPolicy, class Prec, class Scalar, class Exec, class LayerType = BatchNorm2d>
 class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   static_assert(std::is_same<FactorPolicy, UnitWise>::value ||
                     std::is_same<FactorPolicy, Diagonal>::value,
@@ -37,28 +40,28 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   using typename base::grad_vector;
   using typename base::tensor_type;
 
-  BatchNormBlock(std::string name, const BatchNorm2d& layer)
-      : base(std::move(name), describe(layer)), layer_(layer), c_(layer.channels()),
-        sums_("kfac::bn::sums", c_, 3), gradient_(c_, 1, true) {
-    gradient_.terms_per_column();  // <V, X> sums one 2-vector per channel
+  BatchNormBlock(std::string name, const LayerType& layer)
+      : base(std::move(name), describe(layer)), layer_(layer), c_(int(layer.units())),
+        sums_("kfac::bn::sums", c_, 3), gradient_(c_, 1, layer.bias()) {
+    gradient_.terms_per_column();  // <V, X> sums one 2-vector (or value) per unit
     this->use_gradient(gradient_);
     // an output gradient pairs with the normalized input observed before it
     this->use_observations(impl::ObservationPairs(layer, impl::ObservationPairs::Order::input_first));
   }
 
-  /// The description: a (channels x 1) weight (gamma) with a bias (beta); no units (closed
-  /// forms); the checkpoint holds the 3 Fisher values per channel.
-  static impl::BlockDescription describe(const BatchNorm2d& layer) {
+  /// The description: a (units x 1) weight (gamma) with a bias (beta) when the layer has one;
+  /// no decomposable units (closed forms); the checkpoint holds the 3 Fisher values per unit.
+  static impl::BlockDescription describe(const LayerType& layer) {
     impl::BlockDescription d;
-    d.kind = BatchNorm2d::kind;
+    d.kind = LayerType::kind;
     d.signature = layer.describe() + "/" + FactorPolicy::name + "/f" + std::to_string(sizeof(F)) + "d" +
                   std::to_string(sizeof(D)) + "s" + std::to_string(sizeof(Scalar));
-    d.rows = layer.channels();
+    d.rows = layer.units();
     d.cols = 1;
-    d.bias = true;
-    d.checkpoint = {{std::size_t(3 * layer.channels()), sizeof(F)}};
-    d.averaged = {{index_t(3 * layer.channels()), false, false}};
-    d.memory.registered = 3 * std::size_t(layer.channels()) * sizeof(double);  // the sums, from registration on
+    d.bias = layer.bias();
+    d.checkpoint = {{std::size_t(3 * layer.units()), sizeof(F)}};
+    d.averaged = {{index_t(3 * layer.units()), false, false}};
+    d.memory.registered = 3 * std::size_t(layer.units()) * sizeof(double);  // the sums, from registration on
     return d;
   }
 
@@ -72,31 +75,9 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
   /// Adds the per-sample (gamma, beta) gradient products of one micro-batch to the sums.
   void add_output_grad(const Exec& exec, const tensor_type& dy, double scale) override {
     const std::size_t k = this->observations().output_grads();  // its input's index
-    const auto xhat = inputs_[k];
-    const auto sums = sums_;
-    const int n = int(dy.extent(0)), hw_h = int(dy.extent(2)), hw_w = int(dy.extent(3));
-    const double s = scale;
-    Kokkos::parallel_for(
-        "kfac::bn::per_sample", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
-          double gg = 0, gb = 0, bb = 0;
-          for (int k = 0; k < n; ++k) {
-            double g_gamma = 0, g_beta = 0;
-            for (int i = 0; i < hw_h; ++i)
-              for (int j = 0; j < hw_w; ++j) {
-                const double d = s * double(dy(k, c, i, j));
-                g_gamma += d * double(xhat(k, c, i, j));
-                g_beta += d;
-              }
-            gg += g_gamma * g_gamma;
-            gb += g_gamma * g_beta;
-            bb += g_beta * g_beta;
-          }
-          sums(c, 0) += gg;
-          sums(c, 1) += gb;
-          sums(c, 2) += bb;
-        });
-    inputs_[k] = Stored();  // folded into the sums: only O(C) stays pending
-    samples_ += n;
+    layer_.add_unit_products(exec, inputs_[k], dy, scale, sums_);
+    inputs_[k] = Stored();  // folded into the sums: only O(units) stays pending
+    samples_ += long(dy.extent(0));
   }
   /// Overflow: a channel's new (gamma, gamma) or (beta, beta) value above the factor type's range.
   impl::ObservationCheck check_observations() const override {
@@ -142,16 +123,22 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
         KOKKOS_LAMBDA(int c, int k) { f(c, k) = F(old_w * double(f(c, k)) + new_w * sums(c, k)); });
     this->set_statistics(true);
   }
-  /// Per channel c, column c of X and V is (dgamma, dbeta).
+  /// Per unit c, column c of X and V is (dgamma, dbeta), or dgamma alone without a shift.
   void precondition(const Exec& exec, double damping, const impl::ApplyPart&) override {
     auto f = f_;
     auto x = gradient_.x();
     auto out = gradient_.v();
     const D d = D(damping);
+    const bool shift = layer_.bias();
     Kokkos::parallel_for(
         "kfac::bn::solve", Kokkos::RangePolicy<Exec>(exec, 0, c_), KOKKOS_LAMBDA(int c) {
-          const D xg = x(0, c), xb = x(1, c);
-          const D a = D(f(c, 0)) + d, off = D(f(c, 1)), e = D(f(c, 2)) + d;
+          const D xg = x(0, c);
+          const D a = D(f(c, 0)) + d;
+          if (!shift) {
+            out(0, c) = xg / a;
+            return;
+          }
+          const D xb = x(1, c), off = D(f(c, 1)), e = D(f(c, 2)) + d;
           if (std::is_same<FactorPolicy, UnitWise>::value) {
             const D det = a * e - off * off;
             out(0, c) = (e * xg - off * xb) / det;
@@ -177,7 +164,7 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
     if (f_.extent(0) == 0) f_ = Kokkos::View<F**, Kokkos::LayoutLeft, typename Exec::memory_space>("kfac::bn::F", c_, 3);
   }
 
-  BatchNorm2d layer_;
+  LayerType layer_;
   int c_;
   std::vector<Stored> inputs_;
   long samples_ = 0;
@@ -189,5 +176,8 @@ class BatchNormBlock final : public impl::Block<Scalar, Exec> {
 /// The former name (blocks were called layers until 2026-12), kept for code written against it.
 template <class FactorPolicy, class Prec, class Scalar, class Exec>
 using BatchNormLayer = BatchNormBlock<FactorPolicy, Prec, Scalar, Exec>;
+/// The block of a LayerNorm (the same closed forms over its features).
+template <class FactorPolicy, class Prec, class Scalar, class Exec>
+using LayerNormBlock = BatchNormBlock<FactorPolicy, Prec, Scalar, Exec, LayerNorm>;
 
 }  // namespace kfac

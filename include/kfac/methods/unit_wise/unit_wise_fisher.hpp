@@ -4,14 +4,24 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "kfac/methods/method_settings.hpp"
 #include "kfac/methods/unit_wise/batch_norm_block.hpp"
 
 namespace kfac {
+namespace impl {
+template <class L, class = void>
+struct has_unit_products : std::false_type {};
+template <class L>
+struct has_unit_products<L, std::void_t<decltype(std::declval<const L&>().units()),
+                                        decltype(std::declval<const L&>().bias())>>
+    : std::integral_constant<bool, !L::is_kronecker> {};
+}  // namespace impl
 
-/// \brief Per-channel 2x2 Fisher blocks over \f$(\gamma_c, \beta_c)\f$ of a BatchNorm2d,
-/// inverted in closed form.
+/// \brief Per-unit 2x2 Fisher blocks over \f$(\gamma_c, \beta_c)\f$ of a normalization layer
+/// (the channels of a BatchNorm2d, the features of a LayerNorm), inverted in closed form.
 /// \tparam Approx UnitWise (default: the 2x2 blocks) or Diagonal (their diagonals).
 /// \tparam Prec Precision<Factor, Decomposition>; ScalarPrecision = the Preconditioner's Scalar.
 template <class Approx = UnitWise, class Prec = ScalarPrecision>
@@ -21,11 +31,13 @@ struct UnitWiseFisher : impl::LayerOverrides<UnitWiseFisher<Approx, Prec>> {
   using method_tag = void;
   static constexpr const char* name = "unit_wise";
 
+  /// Layer types with units of a scale and an optional shift: BatchNorm2d, LayerNorm, or one of
+  /// yours with `units()`, `bias()` and `add_unit_products` (see LayerNorm).
   template <class LayerType>
-  static constexpr bool accepts = std::is_same<LayerType, BatchNorm2d>::value;
+  static constexpr bool accepts = impl::has_unit_products<LayerType>::value;
 
   template <class LayerType, class Scalar, class Exec>
-  using block_type = BatchNormBlock<Approx, impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec>;
+  using block_type = BatchNormBlock<Approx, impl::resolve_precision_t<Prec, Scalar>, Scalar, Exec, LayerType>;
 
   template <class Scalar, class Exec, class LayerType>
   std::unique_ptr<impl::Block<Scalar, Exec>> make_block(const std::string& layer_name,
