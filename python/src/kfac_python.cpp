@@ -160,6 +160,64 @@ std::array<T, N> pair_of(const py::handle& v) {
   return a;
 }
 
+/// One module's method from its Python object (kfac/methods.py: Method._core_spec), settings
+/// under the C++ objects' names; the Python side has checked them and resolved the precision.
+kfac::impl::TorchMethod method_from(const std::string& module, const py::dict& m) {
+  using kfac::impl::TorchPrecision;
+  kfac::impl::TorchMethod t;
+  t.precision = choice(m, "precision",
+                       {{"scalar", TorchPrecision::scalar},
+                        {"half_float", TorchPrecision::half_float},
+                        {"float_float", TorchPrecision::float_float},
+                        {"float_double", TorchPrecision::float_double},
+                        {"double_double", TorchPrecision::double_double},
+                        {"double_float", TorchPrecision::double_float}},
+                       TorchPrecision::scalar);
+  const std::string kind = m["kind"].cast<std::string>();
+  const auto real = [&](const char* key) { return m[key].cast<double>(); };
+  const auto integer = [&](const char* key) { return m[key].cast<long>(); };
+  const auto flag = [&](const char* key) { return m[key].cast<bool>(); };
+  if (kind == "eigen") {
+    t.method = kfac::Eigendecomposition<>{}
+                   .with_jacobi_sweeps(int(integer("jacobi_sweeps")))
+                   .with_refresh_tolerance(real("refresh_tolerance"));
+  } else if (kind == "randomized_eigen") {
+    t.method = kfac::RandomizedEigen<>{}
+                   .with_rank(int(integer("rank")))
+                   .with_oversampling(int(integer("oversampling")))
+                   .with_power_iterations(int(integer("power_iterations")))
+                   .with_warm_start(flag("warm_start"))
+                   .with_factored_damping(flag("factored_damping"))
+                   .with_seed(m["seed"].cast<std::uint64_t>());
+  } else if (kind == "cholesky") {
+    t.method = kfac::Cholesky<>{}.with_pi_damping(flag("pi_damping")).with_damping_on_each_factor(
+        flag("damping_on_each_factor"));
+  } else if (kind == "newton_schulz") {
+    t.method = kfac::NewtonSchulz{}
+                   .with_max_iterations(int(integer("max_iterations")))
+                   .with_tolerance(real("tolerance"))
+                   .with_pi_damping(flag("pi_damping"));
+  } else if (kind == "ngsgd") {
+    kfac::NGSGD n;
+    if (!m["rank_in"].is_none()) n.with_rank_in(integer("rank_in"));
+    if (!m["rank_out"].is_none()) n.with_rank_out(integer("rank_out"));
+    n.with_update_period(integer("update_period"))
+        .with_initial_updates(integer("initial_updates"))
+        .with_init_iterations(integer("init_iterations"))
+        .with_num_samples_history(real("num_samples_history"))
+        .with_alpha(real("alpha"))
+        .with_epsilon(real("epsilon"))
+        .with_delta(real("delta"))
+        .with_eta_cap(real("eta_cap"))
+        .with_symmetry_breaker(real("symmetry_breaker"))
+        .with_relative_d_floor(flag("relative_d_floor"));
+    t.method = n;
+  } else if (kind != "unit_wise_fisher") {  // BatchNorm2d's: only its precision is read
+    throw kfac::Error(module, "method '" + kind + "': not one of kfac.methods'");
+  }
+  return t;
+}
+
 /// One module's description from the Python side (kfac/preconditioner.py: _describe).
 TorchModuleSpec spec_from(const py::dict& d) {
   TorchModuleSpec s;
@@ -173,19 +231,10 @@ TorchModuleSpec spec_from(const py::dict& d) {
   s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
   if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();
   s.all_frozen = d.contains("all_frozen") && d["all_frozen"].cast<bool>();
-  if (d.contains("method")) {
-    const std::string m = d["method"].cast<std::string>();
-    if (m == "inverse") s.method = kfac::impl::TorchMethod::inverse;
-    else if (m == "ngsgd") s.method = kfac::impl::TorchMethod::ngsgd;
-    else if (m != "eigen") throw kfac::Error(s.name, "method '" + m + "': expected 'eigen', 'inverse' or 'ngsgd'");
-  }
-  // kfac-pytorch's conventions (docs/python.md): its Conv2d factor scaling, and INVERSE adding
-  // the damping itself to each factor.
-  if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch") {
+  if (d.contains("method")) s.method = method_from(s.name, d["method"].cast<py::dict>());
+  // kfac-pytorch's Conv2d factor scaling (docs/python.md, Conventions).
+  if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch")
     s.conv_scaling = kfac::Conv2d::FactorScaling::kfac_pytorch;
-    s.inverse.with_damping_on_each_factor(true);
-  }
-  if (d.contains("pi_damping")) s.inverse.with_pi_damping(d["pi_damping"].cast<bool>());
   if (d.contains("weight") && !d["weight"].is_none()) s.weight = d["weight"].cast<at::Tensor>();
   if (d.contains("bias") && !d["bias"].is_none()) s.bias = d["bias"].cast<at::Tensor>();
   if (s.type == TorchModuleSpec::Type::linear) {
