@@ -125,18 +125,34 @@ kfac::Options options_from(const py::dict& d, const std::shared_ptr<Hyper>& h) {
                                kfac::LossReduction::mean));
   o.with_nonfinite_policy(choice(d, "nonfinite", {{"raise", kfac::NonFinitePolicy::raise}, {"skip", kfac::NonFinitePolicy::skip}},
                                  kfac::NonFinitePolicy::raise));
-  o.with_assignment_cost(choice(d, "assignment_cost",
-                                {{"compute", kfac::AssignmentCost::compute}, {"memory", kfac::AssignmentCost::memory}},
-                                kfac::AssignmentCost::compute));
-  if (d.contains("grad_worker_fraction")) o.with_grad_worker_fraction(d["grad_worker_fraction"].cast<double>());
-  if (d.contains("colocate_factors")) o.with_colocate_factors(d["colocate_factors"].cast<bool>());
-  if (d.contains("bucket_bytes")) o.with_bucket_bytes(d["bucket_bytes"].cast<std::size_t>());
   if (d.contains("precompute_reciprocal")) o.with_precompute_reciprocal(d["precompute_reciprocal"].cast<bool>());
   o.with_initial_factors(choice(d, "initial_factors",
                                 {{"batch", kfac::InitialFactors::batch}, {"identity", kfac::InitialFactors::identity}},
                                 kfac::InitialFactors::batch));
   if (d.contains("decomposition_delay")) o.with_decomposition_delay(d["decomposition_delay"].cast<long>());
   return o;
+}
+
+/// The KAISA distribution policy from the Python package's settings (kfac-pytorch's
+/// grad_worker_fraction, assignment_strategy, colocate_factors, allreduce_bucket_cap_mb).
+kfac::Kaisa kaisa_from(const py::dict& d) {
+  kfac::Kaisa k;
+  k.with_assignment_cost(choice(d, "assignment_cost",
+                                {{"compute", kfac::AssignmentCost::compute}, {"memory", kfac::AssignmentCost::memory}},
+                                kfac::AssignmentCost::compute));
+  if (d.contains("grad_worker_fraction")) k.with_grad_worker_fraction(d["grad_worker_fraction"].cast<double>());
+  if (d.contains("colocate_factors")) k.with_colocate_factors(d["colocate_factors"].cast<bool>());
+  if (d.contains("bucket_bytes")) k.with_bucket_bytes(d["bucket_bytes"].cast<std::size_t>());
+  return k;
+}
+
+/// The backend of the parameters' dtype over `comm`, its distribution set by `kaisa`.
+template <class Comm>
+std::unique_ptr<kfac::impl::TorchBackend> backend_for(at::ScalarType dtype, kfac::Options o, Comm comm,
+                                                      const kfac::Kaisa& kaisa) {
+  if (dtype == at::kDouble)
+    return std::make_unique<kfac::impl::TorchBackendOf<double, Comm>>(std::move(o), std::move(comm), kaisa);
+  return std::make_unique<kfac::impl::TorchBackendOf<float, Comm>>(std::move(o), std::move(comm), kaisa);
 }
 
 std::shared_ptr<Hyper> hyper_from(const py::dict& d) {
@@ -287,6 +303,7 @@ class PyPreconditioner {
                                 {"reduce", kfac::adapters::TokenReduction::reduce}},
                                kfac::adapters::TokenReduction::none);
     const long k = settings.contains("accumulation_steps") ? settings["accumulation_steps"].cast<long>() : 1;
+    const kfac::Kaisa kaisa = kaisa_from(settings);
     core_ = std::make_unique<kfac::impl::TorchCore>(
         specs, options_from(settings, hyper_), tokens, k, python_front_end(),
         [&](at::ScalarType dtype, kfac::Options o) -> std::unique_ptr<kfac::impl::TorchBackend> {
@@ -294,22 +311,14 @@ class PyPreconditioner {
           // Data-parallel over an mpi4py communicator (its Fortran handle: no mpi4py headers needed).
           if (settings.contains("mpi_comm") && !settings["mpi_comm"].is_none()) {
             const MPI_Comm c = MPI_Comm_f2c(MPI_Fint(settings["mpi_comm"].attr("py2f")().cast<int>()));
-            kfac::MpiComm comm(c);
-            if (dtype == at::kDouble)
-              return std::make_unique<kfac::impl::TorchBackendOf<double, kfac::MpiComm>>(std::move(o), comm);
-            return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::MpiComm>>(std::move(o), comm);
+            return backend_for(dtype, std::move(o), kfac::MpiComm(c), kaisa);
           }
 #endif
           // Data-parallel: kfac's factors averaged over torch.distributed's default group (KAISA).
-          if (settings.contains("process_group") && !settings["process_group"].is_none()) {
-            TorchDistComm comm(settings["process_group"].cast<TorchDistComm::PG>());
-            if (dtype == at::kDouble)
-              return std::make_unique<kfac::impl::TorchBackendOf<double, TorchDistComm>>(std::move(o), comm);
-            return std::make_unique<kfac::impl::TorchBackendOf<float, TorchDistComm>>(std::move(o), comm);
-          }
-          if (dtype == at::kDouble)
-            return std::make_unique<kfac::impl::TorchBackendOf<double, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
-          return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
+          if (settings.contains("process_group") && !settings["process_group"].is_none())
+            return backend_for(dtype, std::move(o), TorchDistComm(settings["process_group"].cast<TorchDistComm::PG>()),
+                               kaisa);
+          return backend_for(dtype, std::move(o), kfac::SerialComm{}, kaisa);
         });
     if (settings.contains("rescale_accumulated")) core_->set_rescale_accumulated(settings["rescale_accumulated"].cast<bool>());
     live().insert(this);
@@ -465,6 +474,16 @@ PYBIND11_MODULE(_kfac, m) {
       .def("dtype", [](const PyPreconditioner& p) { return std::string(c10::toString(p.core().dtype())); })
       .def("step_count", [](const PyPreconditioner& p) { return p.core().backend().step_count(); })
       .def("last_kl_scale", [](const PyPreconditioner& p) { return p.core().backend().last_kl_scale(); })
+      .def("distribution",
+           [](const PyPreconditioner& p) {
+             const kfac::Kaisa& k = p.core().backend().distribution();
+             py::dict d;
+             d["grad_worker_fraction"] = k.grad_worker_fraction;
+             d["assignment_cost"] = k.assignment_cost == kfac::AssignmentCost::memory ? "memory" : "compute";
+             d["colocate_factors"] = k.colocate_factors;
+             d["bucket_bytes"] = k.bucket_bytes;
+             return d;
+           })
       .def("set_hyperparameter", &PyPreconditioner::set_hyperparameter)
       .def("save", &PyPreconditioner::save)
       .def("load", &PyPreconditioner::load)

@@ -213,6 +213,8 @@ class TorchBackend {
   virtual long step_count() const = 0;
   virtual double last_kl_scale() const = 0;
   virtual const Options& options() const = 0;
+  /// The KAISA policy object the Preconditioner was built with (its settings).
+  virtual const Kaisa& distribution() const = 0;
   /// The maximum of `v` over the ranks (v itself in a serial run).
   virtual long agree_max(long v) const = 0;
   /// The Preconditioner's checkpoint (save()/load()) as bytes.
@@ -227,6 +229,9 @@ class TorchBackendOf final : public TorchBackend {
  public:
   using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
   TorchBackendOf(Options o, Comm comm) : pre_(std::move(o), TorchExec{}, std::move(comm)) {}
+  /// With the distribution's settings on its policy object (`o` then leaves them at their defaults).
+  TorchBackendOf(Options o, Comm comm, Kaisa kaisa)
+      : pre_(std::move(o), TorchExec{}, std::move(comm), std::move(kaisa)) {}
 
   void add(const std::string& name, const Dense& l, const TorchMethod& m) override { add_kronecker(name, l, m); }
   void add(const std::string& name, const Conv2d& l, const TorchMethod& m) override { add_kronecker(name, l, m); }
@@ -261,6 +266,7 @@ class TorchBackendOf final : public TorchBackend {
   long step_count() const override { return pre_.step_count(); }
   double last_kl_scale() const override { return pre_.last_kl_scale(); }
   const Options& options() const override { return pre_.options(); }
+  const Kaisa& distribution() const override { return pre_.distribution(); }
   long agree_max(long v) const override { return pre_.communicator().allreduce_max(v); }
   std::string save() const override {
     std::ostringstream os;
