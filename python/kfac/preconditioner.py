@@ -111,9 +111,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         factor_dtype, inv_dtype: the storage of the factors (float16, i.e. kfac's binary16 Half;
             float32; float64) and the type of the decompositions (float32, float64) of every
             K-FAC and unit-wise module whose method does not set its own; None (default): the
-            parameters' dtype (float32 decompositions for float16 factors). Pairs kfac has no
-            precision for (bfloat16, decompositions narrower than the factors) are a ValueError
-            naming them (kfac.methods.precision).
+            parameters' dtype (float32 decompositions for float16 factors). What kfac has no
+            precision for (bfloat16, float16 decompositions, float16 factors with float64
+            decompositions) is a ValueError naming it (kfac.methods.precision).
         skip_layers: regular expressions searched in each module's name and class name; a
             pattern matching no module of the model is a ValueError.
         update_factors_in_hook: accepted; kfac folds the statistics in step().
@@ -232,6 +232,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
         self.model = model
         self.compute_method = compute_method
+        self.pi_damping = pi_damping
         self.assignment_strategy = assignment_strategy
         self.grad_worker_fraction = fraction
         self.grad_scaler = grad_scaler
@@ -257,7 +258,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.conventions = conventions
         pytorch = conventions == 'kfac-pytorch'
 
-        specs, modules = self._find_modules(model, self._method_entries(model, methods or {}, pi_damping), pi_damping)
+        specs, modules = self._find_modules(model, self._method_entries(model, methods or {}))
         settings: dict[str, Any] = {name: self._for_core(name, v) for name, v in self._hyper.items()}
         settings.update(
             accumulation_steps=accumulation_steps,
@@ -319,14 +320,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             return interval
         return v
 
-    @staticmethod
-    def _method_object(value: Any, pi_damping: bool, key: str) -> kfac_methods.Method:
+    def _method_object(self, value: Any, key: str) -> kfac_methods.Method:
         """A kfac.methods object, or the one a string ('eigen', 'inverse', 'ngsgd') stands for."""
         if isinstance(value, kfac_methods.Method):
             return value
         named = {'eigen': kfac_methods.Eigen, 'inverse': kfac_methods.Cholesky, 'ngsgd': kfac_methods.NGSGD}
         if isinstance(value, str) and value in named:
-            return kfac_methods.Cholesky(pi_damping=pi_damping) if value == 'inverse' else named[value]()
+            return kfac_methods.Cholesky(pi_damping=self.pi_damping) if value == 'inverse' else named[value]()
         raise ValueError(
             f"{key} = {value!r}: expected a kfac.methods object (Eigen(), Cholesky(), ...) or 'eigen', 'inverse', "
             "'ngsgd'",
@@ -336,7 +336,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self,
         model: torch.nn.Module,
         methods: dict[Any, Any],
-        pi_damping: bool,
     ) -> list[tuple[str, Any, kfac_methods.Method]]:
         """methods= as (its key as messages name it, a compiled regex or a module, the method)."""
         names = {id(m): name or 'root' for name, m in model.named_modules()}
@@ -346,14 +345,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 if id(key) not in names:
                     raise ValueError(f'methods: a key is a {_type_name(key)} that is not a module of the model')
                 where = f'methods[<module {names[id(key)]}>]'
-                entries.append((where, key, self._method_object(value, pi_damping, where)))
+                entries.append((where, key, self._method_object(value, where)))
             elif isinstance(key, str):
                 where = f'methods[{key!r}]'
                 try:
                     pattern = re.compile(key)
                 except re.error as e:
                     raise ValueError(f'{where}: not a regular expression ({e})') from None
-                entries.append((where, pattern, self._method_object(value, pi_damping, where)))
+                entries.append((where, pattern, self._method_object(value, where)))
             else:
                 raise ValueError(f'methods: a key is {key!r}; expected a regular expression or a module of the model')
         return entries
@@ -379,7 +378,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             return None
         kronecker = d['type'] in ('linear', 'conv2d')
         if hit is None:
-            method = self._method_object(self.compute_method.name.lower(), self._pi_damping, 'compute_method')
+            method = self._method_object(self.compute_method.name.lower(), 'compute_method')
             method = method if kronecker else kfac_methods.UnitWiseFisher()
         else:
             where, _, method = hit
@@ -419,11 +418,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self,
         model: torch.nn.Module,
         entries: list[tuple[str, Any, kfac_methods.Method]],
-        pi_damping: bool,
     ) -> tuple[list[dict[str, Any]], dict[str, torch.nn.Module]]:
         patterns = [re.compile(p) for p in self.skip_layers]
         matched = [False] * len(patterns)
-        self._pi_damping = pi_damping
         deciding: set[str] = set()
         specs, modules = [], {}
         # MultiheadAttention computes with its out_proj's weight, never calling the module: its
