@@ -2,7 +2,11 @@
 #include <array>
 #include <memory>
 #include <sstream>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#include <kfac/planning/cost_model.hpp>
 
 #include "helpers.hpp"
 
@@ -291,4 +295,64 @@ TEST_CASE("LayerNorm's Fisher survives a checkpoint bit for bit", "[layer_norm][
   feed(*b, x, g, dgb, dbb);
   CHECK(same_bits(dga, dgb));
   CHECK(same_bits(dba, dbb));
+}
+
+namespace {
+/// A layer kind defined here alone, with no file under include/ touched: a per-feature scale
+/// y = s * x over the last dimension (no shift). Its Fisher is that of LayerNorm(bias = false)
+/// fed the same x, so the two must agree bit for bit.
+struct FeatureScale {
+  static constexpr bool is_kronecker = false;
+  static constexpr const char* kind = "feature_scale";
+  long d;
+  kfac::index_t units() const { return d; }
+  bool bias() const { return false; }
+  kfac::index_t weight_rows() const { return d; }
+  kfac::index_t weight_cols() const { return 1; }
+  std::string describe() const { return std::string(kind) + "(d=" + std::to_string(d) + ")"; }
+  std::string check_input(const kfac::impl::Extents& e) const {
+    return kfac::impl::are_feature_rows(e, d) ? "" : "input has shape " + e.str() + ", expected (batch, tokens, d)";
+  }
+  std::string check_output_grad(const kfac::impl::Extents& e, const kfac::impl::Extents&) const {
+    return check_input(e);
+  }
+  template <class Exec, class XHat, class Grad, class Sums>
+  void add_unit_products(const Exec& exec, const XHat& x, const Grad& dy, double scale, const Sums& sums) const {
+    const int t = int(kfac::impl::tokens_of(kfac::impl::extents_of(dy), d));
+    kfac::impl::add_unit_products(exec, "test::feature_scale", x.data(), dy.data(), scale, int(dy.extent(0)), int(d), t,
+                                  std::size_t(t * d), 1, std::size_t(d), sums);
+  }
+};
+}  // namespace
+
+TEST_CASE("a layer kind from a test file registers with the default method, checks and the cost model",
+          "[layer_kinds][seam]") {
+  static_assert(kfac::is_layer_type_v<FeatureScale>);
+  static_assert(std::is_same<kfac::default_method<FeatureScale>::type, kfac::UnitWiseFisher<>>::value);
+  Rng rng(4);
+  Pre mine(plain_options().with_factor_decay(0.8)), ref(plain_options().with_factor_decay(0.8));
+  mine.register_layer("s", FeatureScale{5});
+  ref.register_layer("s", kfac::LayerNorm(5, false));
+  for (int step = 0; step < 3; ++step) {
+    const V3d x = random3(3, 4, 5, rng), g = random3(3, 4, 5, rng);
+    auto a = random_vector<double>(5, rng);
+    auto b = clone(a);
+    for (Pre* p : {&mine, &ref}) {
+      p->observe_input("s", x);
+      p->observe_output_grad("s", g);
+    }
+    mine.set_gradient("s", a, V1<double>());
+    ref.set_gradient("s", b, V1<double>());
+    mine.step();
+    ref.step();
+    CHECK(same_bits(a, b));
+  }
+  expect_error([&] { mine.observe_input("s", random3(3, 4, 6, rng)); }, "s", {"(3, 4, 6)"});
+  const auto shape = kfac::LayerShape::of("s", FeatureScale{5}, kfac::UnitWiseFisher<>{});
+  CHECK(shape.kind == "feature_scale");
+  CHECK(shape.channels == 5);
+  CHECK(kfac::Options{}.with_skip_layers({"feature_scale"}).skip_layers.size() == 1);
+  Pre skipping(plain_options().with_skip_layers({"feature_scale"}));
+  skipping.register_layer("s", FeatureScale{5});
+  CHECK(skipping.is_skipped("s"));
 }

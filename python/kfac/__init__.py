@@ -20,6 +20,7 @@ import kfac.assignment as assignment
 import kfac.base_preconditioner as base_preconditioner
 import kfac.enums as enums
 import kfac.hyperparams as hyperparams
+import kfac.methods as methods
 import kfac.preconditioner as preconditioner
 import kfac.scheduler as scheduler
 import kfac.tracing as tracing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from kfac import _kfac
+from kfac import methods as kfac_methods
 from kfac.assignment import grad_worker_layout
 from kfac.base_preconditioner import HYPERPARAMETERS
 from kfac.base_preconditioner import BaseKFACPreconditioner
@@ -110,18 +112,28 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         symmetry_aware: accepted; kfac always communicates packed triangles.
         grad_scaler: torch.cuda.amp.GradScaler or a callable returning the loss scale; output
             gradients are divided by it.
-        factor_dtype, inv_dtype: None (default) or the parameters' dtype: kfac keeps factors and
-            decompositions in it (float32 or float64); another dtype is a ValueError naming it.
+        factor_dtype, inv_dtype: the storage of the factors (float16, i.e. kfac's binary16 Half;
+            float32; float64) and the type of the decompositions (float32, float64) of every
+            K-FAC and unit-wise module whose method does not set its own; None (default): the
+            parameters' dtype (float32 decompositions for float16 factors). What kfac has no
+            precision for (bfloat16, float16 decompositions, float16 factors with float64
+            decompositions) is a ValueError naming it (kfac.methods.precision).
         skip_layers: regular expressions searched in each module's name and class name; a
             pattern matching no module of the model is a ValueError.
         update_factors_in_hook: accepted; kfac folds the statistics in step().
         loglevel: level of the registration log lines.
 
     Args (kfac's own):
-        methods: {regex: 'eigen' | 'inverse' | 'ngsgd'} per Linear/Conv2d module name (first
-            match wins), over compute_method; 'ngsgd' is Kaldi's online natural gradient.
-        pi_damping: with 'inverse', pi-damping (Martens & Grosse 2015, section 6.3) instead of
-            the same damping on both factors.
+        methods: {regex or module: kfac.methods object} (Eigen(), RandomizedEigen(rank=32),
+            Cholesky(), NewtonSchulz(), NGSGD(), UnitWiseFisher()); a regex is searched in the
+            module names, a module object is that module; the first entry that matches a module
+            wins; modules no entry matches get compute_method's (BatchNorm2d and LayerNorm
+            UnitWiseFisher()).
+            'eigen', 'inverse', 'ngsgd' stand for Eigen(), Cholesky(pi_damping=pi_damping),
+            NGSGD(). A method for a module that is not preconditioned, or of the wrong kind for
+            it, and a regex that decides no module's method, are ValueErrors naming them.
+        pi_damping: with compute_method INVERSE (or 'inverse'), pi-damping (Martens & Grosse
+            2015, section 6.3) instead of the same damping on both factors.
         conventions: 'kfac-pytorch' (default: its factor scalings, factors starting at the
             identity, its accumulation and INVERSE damping; subclasses of Linear and Conv2d
             registered, BatchNorm2d and LayerNorm left to the optimizer) or 'kfac' (factors of
@@ -165,7 +177,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         skip_layers: list[str] | str | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
-        methods: dict[str, str] | None = None,
+        methods: dict[str | torch.nn.Module, kfac_methods.Method | str] | None = None,
         pi_damping: bool = False,
         loss_reduction: str | None = None,
         nonfinite: str = 'raise',
@@ -227,17 +239,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
         self.model = model
         self.compute_method = compute_method
+        self.pi_damping = pi_damping
         self.assignment_strategy = assignment_strategy
         self.grad_worker_fraction = fraction
         self.grad_scaler = grad_scaler
         dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-        for name, asked in (('factor_dtype', factor_dtype), ('inv_dtype', inv_dtype)):
-            if asked is not None and dtypes and dtypes != {asked}:
-                have = ', '.join(sorted(str(d) for d in dtypes))
-                raise ValueError(
-                    f"{name}={asked}: kfac keeps factors and decompositions in the parameters' dtype ({have}); "
-                    'other storage dtypes are not available from Python yet (pass None)',
-                )
+        kfac_methods.precision(factor_dtype, inv_dtype, next(iter(dtypes)) if len(dtypes) == 1 else torch.float32)
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.symmetry_aware = symmetry_aware
@@ -258,7 +265,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.conventions = conventions
         pytorch = conventions == 'kfac-pytorch'
 
-        specs, modules = self._find_modules(model, methods or {}, compute_method, pi_damping)
+        specs, modules = self._find_modules(model, self._method_entries(model, methods or {}))
         settings: dict[str, Any] = {name: self._for_core(name, v) for name, v in self._hyper.items()}
         settings.update(
             accumulation_steps=accumulation_steps,
@@ -321,16 +328,108 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             return interval
         return v
 
+    def _method_object(self, value: Any, key: str) -> kfac_methods.Method:
+        """A kfac.methods object, or the one a string ('eigen', 'inverse', 'ngsgd') stands for."""
+        if isinstance(value, kfac_methods.Method):
+            return value
+        named = {'eigen': kfac_methods.Eigen, 'inverse': kfac_methods.Cholesky, 'ngsgd': kfac_methods.NGSGD}
+        if isinstance(value, str) and value in named:
+            return kfac_methods.Cholesky(pi_damping=self.pi_damping) if value == 'inverse' else named[value]()
+        raise ValueError(
+            f"{key} = {value!r}: expected a kfac.methods object (Eigen(), Cholesky(), ...) or 'eigen', 'inverse', "
+            "'ngsgd'",
+        )
+
+    def _method_entries(
+        self,
+        model: torch.nn.Module,
+        methods: dict[Any, Any],
+    ) -> list[tuple[str, Any, kfac_methods.Method]]:
+        """methods= as (its key as messages name it, a compiled regex or a module, the method)."""
+        names = {id(m): name or 'root' for name, m in model.named_modules()}
+        entries = []
+        for key, value in methods.items():
+            if isinstance(key, torch.nn.Module):
+                if id(key) not in names:
+                    raise ValueError(f'methods: a key is a {_type_name(key)} that is not a module of the model')
+                where = f'methods[<module {names[id(key)]}>]'
+                entries.append((where, key, self._method_object(value, where)))
+            elif isinstance(key, str):
+                where = f'methods[{key!r}]'
+                try:
+                    pattern = re.compile(key)
+                except re.error as e:
+                    raise ValueError(f'{where}: not a regular expression ({e})') from None
+                entries.append((where, pattern, self._method_object(value, where)))
+            else:
+                raise ValueError(f'methods: a key is {key!r}; expected a regular expression or a module of the model')
+        return entries
+
+    def _method_of(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        d: dict[str, Any],
+        entries: list[tuple[str, Any, kfac_methods.Method]],
+        deciding: set[str],
+    ) -> dict[str, Any] | None:
+        """The core's description of the method of one module: the first entry matching it, else
+        compute_method's; None for a module kfac does not precondition."""
+        registered = not d['skipped'] and not d['all_frozen'] and d['type'] != 'other'
+        hit = next((e for e in entries if e[1] is module or (isinstance(e[1], re.Pattern) and e[1].search(name))), None)
+        if hit is not None and hit[1] is module and not registered:
+            why = d.get('skip_reason') or (
+                'frozen' if d['all_frozen'] else 'skip_layers' if d['skipped'] else 'no kfac layer type'
+            )
+            raise ValueError(f"{hit[0]}: module '{name}' ({d['type_name']}) is not preconditioned ({why})")
+        if not registered:
+            return None
+        kronecker = d['type'] in ('linear', 'conv2d')
+        if hit is None:
+            method = self._method_object(self.compute_method.name.lower(), 'compute_method')
+            method = method if kronecker else kfac_methods.UnitWiseFisher()
+        else:
+            where, _, method = hit
+            deciding.add(where)
+            if method.kronecker != kronecker:
+                fits = 'Linear and Conv2d' if method.kronecker else 'BatchNorm2d and LayerNorm'
+                raise ValueError(
+                    f"{where}: {type(method).__name__} is for {fits} modules; module '{name}' is a {d['type_name']}",
+                )
+        if isinstance(method, kfac_methods.Cholesky) and method.damping_on_each_factor is None:
+            method = dataclasses.replace(method, damping_on_each_factor=self.conventions == 'kfac-pytorch')
+        if isinstance(method, kfac_methods.NGSGD):
+            self._check_ngsgd_ranks(name, d, method)
+        params = d['weight'].dtype
+        if params not in (torch.float32, torch.float64):  # refused by the core, naming the module
+            return {**method._core_spec(None, None, torch.float32), 'precision': 'scalar'}
+        return method._core_spec(self.factor_dtype, self.inv_dtype, params)
+
+    @staticmethod
+    def _check_ngsgd_ranks(name: str, d: dict[str, Any], method: kfac_methods.NGSGD) -> None:
+        """NG-SGD's ranks below its sides' dimensions (kfac::NGSGD's contract)."""
+        if d['type'] == 'linear':
+            rows, cols = d['out_features'], d['in_features']
+        else:
+            rows, cols = d['out_channels'], d['in_channels'] * d['kernel_size'][0] * d['kernel_size'][1]
+        cols += d['bias'] is not None
+        sides = (('rank_in', method.rank_in, cols, 'input'), ('rank_out', method.rank_out, rows, 'output'))
+        for arg, rank, dim, side in sides:
+            rank = method.rank if rank is None else rank
+            if rank is not None and rank >= dim:
+                raise ValueError(
+                    f"NGSGD: {arg if method.rank is None else 'rank'}={rank} for module '{name}', whose {side} side "
+                    f'has dimension {dim}: expected < {dim}',
+                )
+
     def _find_modules(
         self,
         model: torch.nn.Module,
-        methods: dict[str, str],
-        compute_method: ComputeMethod,
-        pi_damping: bool,
+        entries: list[tuple[str, Any, kfac_methods.Method]],
     ) -> tuple[list[dict[str, Any]], dict[str, torch.nn.Module]]:
         patterns = [re.compile(p) for p in self.skip_layers]
         matched = [False] * len(patterns)
-        method_patterns = [(re.compile(p), m) for p, m in methods.items()]
+        deciding: set[str] = set()
         specs, modules = [], {}
         # MultiheadAttention computes with its out_proj's weight, never calling the module: its
         # hooks would never fire (kfac-pytorch#267), so it stays the optimizer's.
@@ -361,12 +460,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 why = 'no kfac layer type: left to the optimizer'
             if not d['skipped'] and not d['all_frozen'] and d['type'] == 'other' and (by_convention or not self.strict):
                 d.update(skipped=True, skip_reason=why)
-            d['method'] = compute_method.name.lower()
-            for p, m in method_patterns:
-                if p.search(name):
-                    d['method'] = m
-                    break
-            d['pi_damping'] = pi_damping
+            method = self._method_of(name, module, d, entries, deciding)
+            if method is not None:
+                d['method'] = method
             specs.append(d)
             modules[name] = module
         unmatched = [p.pattern for p, m in zip(patterns, matched) if not m]
@@ -374,6 +470,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             raise ValueError(
                 f'skip_layers: {", ".join(repr(p) for p in unmatched)} matches no module name or class of the model',
             )
+        idle = [where for where, key, _ in entries if where not in deciding and isinstance(key, re.Pattern)]
+        if idle:
+            raise ValueError(f'{", ".join(idle)}: decides the method of no preconditioned module (first match wins)')
         return specs, modules
 
     # ---- hooks: registered only while the next step updates a module's statistics -------------

@@ -125,18 +125,34 @@ kfac::Options options_from(const py::dict& d, const std::shared_ptr<Hyper>& h) {
                                kfac::LossReduction::mean));
   o.with_nonfinite_policy(choice(d, "nonfinite", {{"raise", kfac::NonFinitePolicy::raise}, {"skip", kfac::NonFinitePolicy::skip}},
                                  kfac::NonFinitePolicy::raise));
-  o.with_assignment_cost(choice(d, "assignment_cost",
-                                {{"compute", kfac::AssignmentCost::compute}, {"memory", kfac::AssignmentCost::memory}},
-                                kfac::AssignmentCost::compute));
-  if (d.contains("grad_worker_fraction")) o.with_grad_worker_fraction(d["grad_worker_fraction"].cast<double>());
-  if (d.contains("colocate_factors")) o.with_colocate_factors(d["colocate_factors"].cast<bool>());
-  if (d.contains("bucket_bytes")) o.with_bucket_bytes(d["bucket_bytes"].cast<std::size_t>());
   if (d.contains("precompute_reciprocal")) o.with_precompute_reciprocal(d["precompute_reciprocal"].cast<bool>());
   o.with_initial_factors(choice(d, "initial_factors",
                                 {{"batch", kfac::InitialFactors::batch}, {"identity", kfac::InitialFactors::identity}},
                                 kfac::InitialFactors::batch));
   if (d.contains("decomposition_delay")) o.with_decomposition_delay(d["decomposition_delay"].cast<long>());
   return o;
+}
+
+/// The KAISA distribution policy from the Python package's settings (kfac-pytorch's
+/// grad_worker_fraction, assignment_strategy, colocate_factors, allreduce_bucket_cap_mb).
+kfac::Kaisa kaisa_from(const py::dict& d) {
+  kfac::Kaisa k;
+  k.with_assignment_cost(choice(d, "assignment_cost",
+                                {{"compute", kfac::AssignmentCost::compute}, {"memory", kfac::AssignmentCost::memory}},
+                                kfac::AssignmentCost::compute));
+  if (d.contains("grad_worker_fraction")) k.with_grad_worker_fraction(d["grad_worker_fraction"].cast<double>());
+  if (d.contains("colocate_factors")) k.with_colocate_factors(d["colocate_factors"].cast<bool>());
+  if (d.contains("bucket_bytes")) k.with_bucket_bytes(d["bucket_bytes"].cast<std::size_t>());
+  return k;
+}
+
+/// The backend of the parameters' dtype over `comm`, its distribution set by `kaisa`.
+template <class Comm>
+std::unique_ptr<kfac::impl::TorchBackend> backend_for(at::ScalarType dtype, kfac::Options o, Comm comm,
+                                                      const kfac::Kaisa& kaisa) {
+  if (dtype == at::kDouble)
+    return std::make_unique<kfac::impl::TorchBackendOf<double, Comm>>(std::move(o), std::move(comm), kaisa);
+  return std::make_unique<kfac::impl::TorchBackendOf<float, Comm>>(std::move(o), std::move(comm), kaisa);
 }
 
 std::shared_ptr<Hyper> hyper_from(const py::dict& d) {
@@ -160,6 +176,64 @@ std::array<T, N> pair_of(const py::handle& v) {
   return a;
 }
 
+/// One module's method from its Python object (kfac/methods.py: Method._core_spec), settings
+/// under the C++ objects' names; the Python side has checked them and resolved the precision.
+kfac::impl::TorchMethod method_from(const std::string& module, const py::dict& m) {
+  using kfac::impl::TorchPrecision;
+  kfac::impl::TorchMethod t;
+  t.precision = choice(m, "precision",
+                       {{"scalar", TorchPrecision::scalar},
+                        {"half_float", TorchPrecision::half_float},
+                        {"float_float", TorchPrecision::float_float},
+                        {"float_double", TorchPrecision::float_double},
+                        {"double_double", TorchPrecision::double_double},
+                        {"double_float", TorchPrecision::double_float}},
+                       TorchPrecision::scalar);
+  const std::string kind = m["kind"].cast<std::string>();
+  const auto real = [&](const char* key) { return m[key].cast<double>(); };
+  const auto integer = [&](const char* key) { return m[key].cast<long>(); };
+  const auto flag = [&](const char* key) { return m[key].cast<bool>(); };
+  if (kind == "eigen") {
+    t.method = kfac::Eigendecomposition<>{}
+                   .with_jacobi_sweeps(int(integer("jacobi_sweeps")))
+                   .with_refresh_tolerance(real("refresh_tolerance"));
+  } else if (kind == "randomized_eigen") {
+    t.method = kfac::RandomizedEigen<>{}
+                   .with_rank(int(integer("rank")))
+                   .with_oversampling(int(integer("oversampling")))
+                   .with_power_iterations(int(integer("power_iterations")))
+                   .with_warm_start(flag("warm_start"))
+                   .with_factored_damping(flag("factored_damping"))
+                   .with_seed(m["seed"].cast<std::uint64_t>());
+  } else if (kind == "cholesky") {
+    t.method = kfac::Cholesky<>{}.with_pi_damping(flag("pi_damping")).with_damping_on_each_factor(
+        flag("damping_on_each_factor"));
+  } else if (kind == "newton_schulz") {
+    t.method = kfac::NewtonSchulz{}
+                   .with_max_iterations(int(integer("max_iterations")))
+                   .with_tolerance(real("tolerance"))
+                   .with_pi_damping(flag("pi_damping"));
+  } else if (kind == "ngsgd") {
+    kfac::NGSGD n;
+    if (!m["rank_in"].is_none()) n.with_rank_in(integer("rank_in"));
+    if (!m["rank_out"].is_none()) n.with_rank_out(integer("rank_out"));
+    n.with_update_period(integer("update_period"))
+        .with_initial_updates(integer("initial_updates"))
+        .with_init_iterations(integer("init_iterations"))
+        .with_num_samples_history(real("num_samples_history"))
+        .with_alpha(real("alpha"))
+        .with_epsilon(real("epsilon"))
+        .with_delta(real("delta"))
+        .with_eta_cap(real("eta_cap"))
+        .with_symmetry_breaker(real("symmetry_breaker"))
+        .with_relative_d_floor(flag("relative_d_floor"));
+    t.method = n;
+  } else if (kind != "unit_wise_fisher") {  // BatchNorm2d's and LayerNorm's: only its precision is read
+    throw kfac::Error(module, "method '" + kind + "': not one of kfac.methods'");
+  }
+  return t;
+}
+
 /// One module's description from the Python side (kfac/preconditioner.py: _describe).
 TorchModuleSpec spec_from(const py::dict& d) {
   TorchModuleSpec s;
@@ -174,19 +248,10 @@ TorchModuleSpec spec_from(const py::dict& d) {
   s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
   if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();
   s.all_frozen = d.contains("all_frozen") && d["all_frozen"].cast<bool>();
-  if (d.contains("method")) {
-    const std::string m = d["method"].cast<std::string>();
-    if (m == "inverse") s.method = kfac::impl::TorchMethod::inverse;
-    else if (m == "ngsgd") s.method = kfac::impl::TorchMethod::ngsgd;
-    else if (m != "eigen") throw kfac::Error(s.name, "method '" + m + "': expected 'eigen', 'inverse' or 'ngsgd'");
-  }
-  // kfac-pytorch's conventions (docs/python.md): its Conv2d factor scaling, and INVERSE adding
-  // the damping itself to each factor.
-  if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch") {
+  if (d.contains("method")) s.method = method_from(s.name, d["method"].cast<py::dict>());
+  // kfac-pytorch's Conv2d factor scaling (docs/python.md, Conventions).
+  if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch")
     s.conv_scaling = kfac::Conv2d::FactorScaling::kfac_pytorch;
-    s.inverse.with_damping_on_each_factor(true);
-  }
-  if (d.contains("pi_damping")) s.inverse.with_pi_damping(d["pi_damping"].cast<bool>());
   if (d.contains("weight") && !d["weight"].is_none()) s.weight = d["weight"].cast<at::Tensor>();
   if (d.contains("bias") && !d["bias"].is_none()) s.bias = d["bias"].cast<at::Tensor>();
   if (s.type == TorchModuleSpec::Type::linear) {
@@ -240,6 +305,7 @@ class PyPreconditioner {
                                 {"reduce", kfac::adapters::TokenReduction::reduce}},
                                kfac::adapters::TokenReduction::none);
     const long k = settings.contains("accumulation_steps") ? settings["accumulation_steps"].cast<long>() : 1;
+    const kfac::Kaisa kaisa = kaisa_from(settings);
     core_ = std::make_unique<kfac::impl::TorchCore>(
         specs, options_from(settings, hyper_), tokens, k, python_front_end(),
         [&](at::ScalarType dtype, kfac::Options o) -> std::unique_ptr<kfac::impl::TorchBackend> {
@@ -247,22 +313,14 @@ class PyPreconditioner {
           // Data-parallel over an mpi4py communicator (its Fortran handle: no mpi4py headers needed).
           if (settings.contains("mpi_comm") && !settings["mpi_comm"].is_none()) {
             const MPI_Comm c = MPI_Comm_f2c(MPI_Fint(settings["mpi_comm"].attr("py2f")().cast<int>()));
-            kfac::MpiComm comm(c);
-            if (dtype == at::kDouble)
-              return std::make_unique<kfac::impl::TorchBackendOf<double, kfac::MpiComm>>(std::move(o), comm);
-            return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::MpiComm>>(std::move(o), comm);
+            return backend_for(dtype, std::move(o), kfac::MpiComm(c), kaisa);
           }
 #endif
           // Data-parallel: kfac's factors averaged over torch.distributed's default group (KAISA).
-          if (settings.contains("process_group") && !settings["process_group"].is_none()) {
-            TorchDistComm comm(settings["process_group"].cast<TorchDistComm::PG>());
-            if (dtype == at::kDouble)
-              return std::make_unique<kfac::impl::TorchBackendOf<double, TorchDistComm>>(std::move(o), comm);
-            return std::make_unique<kfac::impl::TorchBackendOf<float, TorchDistComm>>(std::move(o), comm);
-          }
-          if (dtype == at::kDouble)
-            return std::make_unique<kfac::impl::TorchBackendOf<double, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
-          return std::make_unique<kfac::impl::TorchBackendOf<float, kfac::SerialComm>>(std::move(o), kfac::SerialComm{});
+          if (settings.contains("process_group") && !settings["process_group"].is_none())
+            return backend_for(dtype, std::move(o), TorchDistComm(settings["process_group"].cast<TorchDistComm::PG>()),
+                               kaisa);
+          return backend_for(dtype, std::move(o), kfac::SerialComm{}, kaisa);
         });
     if (settings.contains("rescale_accumulated")) core_->set_rescale_accumulated(settings["rescale_accumulated"].cast<bool>());
     if (settings.contains("flatten_tokens")) core_->set_flatten_tokens(settings["flatten_tokens"].cast<bool>());
@@ -417,6 +475,16 @@ PYBIND11_MODULE(_kfac, m) {
       .def("dtype", [](const PyPreconditioner& p) { return std::string(c10::toString(p.core().dtype())); })
       .def("step_count", [](const PyPreconditioner& p) { return p.core().backend().step_count(); })
       .def("last_kl_scale", [](const PyPreconditioner& p) { return p.core().backend().last_kl_scale(); })
+      .def("distribution",
+           [](const PyPreconditioner& p) {
+             const kfac::Kaisa& k = p.core().backend().distribution();
+             py::dict d;
+             d["grad_worker_fraction"] = k.grad_worker_fraction;
+             d["assignment_cost"] = k.assignment_cost == kfac::AssignmentCost::memory ? "memory" : "compute";
+             d["colocate_factors"] = k.colocate_factors;
+             d["bucket_bytes"] = k.bucket_bytes;
+             return d;
+           })
       .def("set_hyperparameter", &PyPreconditioner::set_hyperparameter)
       .def("save", &PyPreconditioner::save)
       .def("load", &PyPreconditioner::load)

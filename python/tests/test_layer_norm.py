@@ -87,3 +87,11 @@ def test_layer_norm_over_two_dimensions_is_refused_by_name() -> None:
     with pytest.raises(kfac.KFACError, match="normalizes over its last 2 dimensions") as info:
         kfac.KFACPreconditioner(model, conventions='kfac')
     assert info.value.layer == '1'
+
+
+def test_layer_norm_takes_the_unit_wise_fisher_and_refuses_kronecker_methods_by_name() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    p = kfac.KFACPreconditioner(model, conventions='kfac', methods={'1': kfac.methods.UnitWiseFisher()})
+    assert p.modules() == ['0', '1']
+    with pytest.raises(ValueError, match="Eigen is for Linear and Conv2d modules; module '1'"):
+        kfac.KFACPreconditioner(model, conventions='kfac', methods={'1': kfac.methods.Eigen()})

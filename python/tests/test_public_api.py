@@ -202,6 +202,15 @@ def test_preconditioner_applies_the_kaisa_checks_and_logs_the_assignment(caplog:
     ]
 
 
+def test_the_kaisa_arguments_are_the_settings_of_the_cores_kfac_kaisa_object() -> None:
+    p = kfac.KFACPreconditioner(_model(), assignment_strategy='memory', colocate_factors=False,
+                                compute_method='inverse', allreduce_bucket_cap_mb=2)
+    assert p._core.distribution() == dict(grad_worker_fraction=1.0, assignment_cost='memory', colocate_factors=False,
+                                          bucket_bytes=2 * 2**20)
+    assert kfac.KFACPreconditioner(_model())._core.distribution() == dict(
+        grad_worker_fraction=1.0, assignment_cost='compute', colocate_factors=True, bucket_bytes=25 * 2**20)
+
+
 def test_a_hyperparameter_set_between_steps_reaches_a_copy_of_the_run() -> None:
     """lr set through kfac-pytorch's private name changes the KL clip's scale from the next step."""
     a, b = _model(), _model()

@@ -18,7 +18,9 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace kfac {
@@ -26,11 +28,22 @@ namespace impl {
 
 enum class TorchKind { dense, conv2d, batch_norm, layer_norm };
 
-/// \brief The inversion a Linear or Conv2d module gets (BatchNorm2d always gets UnitWiseFisher).
-enum class TorchMethod {
-  eigen,    ///< KFAC<> (eigendecompositions; damping added to the eigenvalue products)
-  inverse,  ///< KFAC<Symmetric, Cholesky<>> (explicit inverses, TorchModuleSpec::inverse's settings)
-  ngsgd,    ///< NGSGD (Kaldi's online natural gradient, its defaults; docs/ngsgd.md)
+/// \brief The scalar types of a module's factors and decompositions (kfac::Precision<F, D>).
+enum class TorchPrecision {
+  scalar,         ///< the Preconditioner's Scalar (the parameters' dtype) for both
+  half_float,     ///< kfac::HalfPrecision: binary16 factors, float decompositions
+  float_float,    ///< kfac::SinglePrecision
+  float_double,   ///< kfac::MixedPrecision: float factors, double decompositions
+  double_double,  ///< kfac::DoublePrecision
+  double_float,   ///< Precision<double, float>: double factors, float decompositions
+};
+
+/// \brief The method a Linear or Conv2d module gets, with its settings: K-FAC with one of its
+/// inversions (KFAC<Symmetric, Inversion, Prec>) or NG-SGD (which keeps its estimates in the
+/// Scalar: `precision` is not read). BatchNorm2d modules get UnitWiseFisher<UnitWise, Prec>.
+struct TorchMethod {
+  std::variant<Eigendecomposition<>, Cholesky<>, NewtonSchulz, RandomizedEigen<>, NGSGD> method;
+  TorchPrecision precision = TorchPrecision::scalar;
 };
 
 /// \brief The wording of one front end in the core's error messages.
@@ -52,8 +65,7 @@ struct TorchModuleSpec {
   bool skipped = false;     ///< left out by the front end: matched by its skip list, or `skip_reason`
   std::string skip_reason;  ///< why, when not the skip list (listed by skipped())
   bool all_frozen = false;  ///< every parameter it owns has requires_grad = false
-  TorchMethod method = TorchMethod::eigen;
-  Cholesky<> inverse;  ///< TorchMethod::inverse: its settings (π-damping; the damping on each factor)
+  TorchMethod method;  ///< Linear, Conv2d: the method; BatchNorm2d: its precision only
   Conv2d::FactorScaling conv_scaling = Conv2d::FactorScaling::kfc;  ///< Conv2d: KFC's or kfac-pytorch's factors
   at::Tensor weight, bias;  ///< undefined when absent
   int64_t in_features = 0, out_features = 0;                      ///< Linear
@@ -192,10 +204,10 @@ inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g) 
 class TorchBackend {
  public:
   virtual ~TorchBackend() = default;
-  virtual void add(const std::string& name, const Dense& l, TorchMethod m, const Cholesky<>& inverse) = 0;
-  virtual void add(const std::string& name, const Conv2d& l, TorchMethod m, const Cholesky<>& inverse) = 0;
-  virtual void add(const std::string& name, const BatchNorm2d& l) = 0;
-  virtual void add(const std::string& name, const LayerNorm& l) = 0;
+  virtual void add(const std::string& name, const Dense& l, const TorchMethod& m) = 0;
+  virtual void add(const std::string& name, const Conv2d& l, const TorchMethod& m) = 0;
+  virtual void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) = 0;
+  virtual void add(const std::string& name, const LayerNorm& l, TorchPrecision p) = 0;
   virtual bool wants_observations() const = 0;
   virtual bool wants_observations(const std::string& name) const = 0;
   virtual bool is_skipped(const std::string& name) const = 0;
@@ -207,6 +219,8 @@ class TorchBackend {
   virtual long step_count() const = 0;
   virtual double last_kl_scale() const = 0;
   virtual const Options& options() const = 0;
+  /// The KAISA policy object the Preconditioner was built with (its settings).
+  virtual const Kaisa& distribution() const = 0;
   /// The maximum of `v` over the ranks (v itself in a serial run).
   virtual long agree_max(long v) const = 0;
   /// The Preconditioner's checkpoint (save()/load()) as bytes.
@@ -221,15 +235,14 @@ class TorchBackendOf final : public TorchBackend {
  public:
   using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
   TorchBackendOf(Options o, Comm comm) : pre_(std::move(o), TorchExec{}, std::move(comm)) {}
+  /// With the distribution's settings on its policy object (`o` then leaves them at their defaults).
+  TorchBackendOf(Options o, Comm comm, Kaisa kaisa)
+      : pre_(std::move(o), TorchExec{}, std::move(comm), std::move(kaisa)) {}
 
-  void add(const std::string& name, const Dense& l, TorchMethod m, const Cholesky<>& inverse) override {
-    add_kronecker(name, l, m, inverse);
-  }
-  void add(const std::string& name, const Conv2d& l, TorchMethod m, const Cholesky<>& inverse) override {
-    add_kronecker(name, l, m, inverse);
-  }
-  void add(const std::string& name, const BatchNorm2d& l) override { pre_.register_layer(name, l); }
-  void add(const std::string& name, const LayerNorm& l) override { pre_.register_layer(name, l); }
+  void add(const std::string& name, const Dense& l, const TorchMethod& m) override { add_kronecker(name, l, m); }
+  void add(const std::string& name, const Conv2d& l, const TorchMethod& m) override { add_kronecker(name, l, m); }
+  void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
+  void add(const std::string& name, const LayerNorm& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
   bool wants_observations() const override { return pre_.wants_observations(); }
   bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
   bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
@@ -255,6 +268,7 @@ class TorchBackendOf final : public TorchBackend {
   long step_count() const override { return pre_.step_count(); }
   double last_kl_scale() const override { return pre_.last_kl_scale(); }
   const Options& options() const override { return pre_.options(); }
+  const Kaisa& distribution() const override { return pre_.distribution(); }
   long agree_max(long v) const override { return pre_.communicator().allreduce_max(v); }
   std::string save() const override {
     std::ostringstream os;
@@ -269,11 +283,40 @@ class TorchBackendOf final : public TorchBackend {
   preconditioner_type& preconditioner() { return pre_; }
 
  private:
+  /// Calls `f` with the Precision<F, D> that `p` names (the Scalar's for TorchPrecision::scalar).
+  template <class F>
+  static void with_precision(TorchPrecision p, F&& f) {
+    switch (p) {
+      case TorchPrecision::scalar: return f(Precision<Scalar>{});
+      case TorchPrecision::half_float: return f(HalfPrecision{});
+      case TorchPrecision::float_float: return f(SinglePrecision{});
+      case TorchPrecision::float_double: return f(MixedPrecision{});
+      case TorchPrecision::double_double: return f(DoublePrecision{});
+      case TorchPrecision::double_float: return f(Precision<double, float>{});
+    }
+  }
   template <class Layer>
-  void add_kronecker(const std::string& name, const Layer& l, TorchMethod m, const Cholesky<>& inverse) {
-    if (m == TorchMethod::eigen) pre_.register_layer(name, l);
-    else if (m == TorchMethod::inverse) pre_.register_layer(name, l, KFAC<Symmetric, Cholesky<>>{inverse});
-    else pre_.register_layer(name, l, NGSGD{});
+  void add_unit_wise(const std::string& name, const Layer& l, TorchPrecision p) {
+    with_precision(p, [&](auto prec) {
+      using P = decltype(prec);
+      if constexpr (std::is_same<typename P::factor_type, Half>::value)
+        throw Error(name, std::string(Layer::kind) +
+                              ": half-precision factors are for Kronecker layers; store it in float or double");
+      else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
+    });
+  }
+  template <class Layer>
+  void add_kronecker(const std::string& name, const Layer& l, const TorchMethod& m) {
+    std::visit(
+        [&](const auto& method) {
+          using M = std::decay_t<decltype(method)>;
+          if constexpr (std::is_same<M, NGSGD>::value) pre_.register_layer(name, l, method);
+          else
+            with_precision(m.precision, [&](auto prec) {
+              pre_.register_layer(name, l, KFAC<Symmetric, M, decltype(prec)>{method});
+            });
+        },
+        m.method);
   }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
   preconditioner_type pre_;
@@ -460,10 +503,10 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     if (f.layer.dense)
       backend_->add(s.name, Dense(*f.layer.dense).with_tokens(tokens == adapters::TokenReduction::reduce
                                                                   ? Dense::Tokens::reduce : Dense::Tokens::expand),
-                    s.method, s.inverse);
-    else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method, s.inverse);
-    else if (f.layer.ln) backend_->add(s.name, *f.layer.ln);
-    else backend_->add(s.name, *f.layer.bn);
+                    s.method);
+    else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method);
+    else if (f.layer.ln) backend_->add(s.name, *f.layer.ln, s.method.precision);
+    else backend_->add(s.name, *f.layer.bn, s.method.precision);
     auto capture = std::make_shared<TorchCapture>();
     capture->name = s.name;
     capture->kind = f.layer.kind;
