@@ -3,7 +3,8 @@
 // together compile every label the Serial suite compiles (scripts/kernel_labels.sh check). Each part drives one
 // area through the public API: FDG pipeline buffers, NG-SGD with parameter averaging, KAISA's reduced-precision
 // factor sums (blocking and overlapped), the portable Jacobi and Cholesky solvers, packed symmetric factors, Conv2d
-// output-gradient rows, the randomized eigensolver, the Eigen adapter's copies and the cost model. The preconditioner
+// output-gradient rows, Dense over tokens and LayerNorm, the randomized eigensolver, the Eigen adapter's copies and
+// the cost model. The preconditioner
 // parts run on Kokkos::DefaultExecutionSpace and, where that is a device, on the host space as well (its LAPACK
 // paths). Nothing here launches a kernel of its own: data is filled on the host and copied.
 // Serial builds also run it, at 1 and 2 MPI ranks; it checks shapes only, and prints "kernel_coverage: ok".
@@ -178,6 +179,38 @@ void ngsgd_with_averaging(const kfac::MpiComm& comm) {
   require(averager.averages() == 2, "two averages in four steps, every second step");
 }
 
+// ---- sequence layers: Dense over tokens (K-FAC-reduce) and LayerNorm ---------------------------------------------
+
+template <class Space>
+using V3 = Kokkos::View<double***, Kokkos::LayoutRight, typename Space::memory_space>;
+
+/// Two steps of a Dense layer over (batch, tokens, in) with Tokens::reduce (its averaged input rows and summed
+/// output-gradient rows) and of a LayerNorm over (batch, tokens, D) (its per-feature products).
+template <class Space>
+void sequence_layers(const kfac::MpiComm& comm) {
+  using Pre = kfac::Preconditioner<double, Space, kfac::MpiComm>;
+  Pre pre(kfac::Options{}.with_kl_clip(0.0), Space{}, comm);
+  pre.register_layer("seq", kfac::Dense(4, 3).with_tokens(kfac::Dense::Tokens::reduce));
+  pre.register_layer("norm", kfac::LayerNorm(4));
+  Numbers data{std::uint64_t(41 + comm.rank())};
+  for (int step = 0; step < 2; ++step) {
+    Kept<Space> kept;
+    const auto x = filled<V3<Space>>(data, kBatch, 5, 4);
+    pre.observe_input("seq", x);
+    pre.observe_output_grad("seq", filled<V3<Space>>(data, kBatch, 5, 3));
+    pre.observe_input("norm", x);
+    pre.observe_output_grad("norm", filled<V3<Space>>(data, kBatch, 5, 4));
+    kept.m.push_back(filled<V2<Space>>(data, 3, 4));
+    kept.v.push_back(filled<V1<Space>>(data, 3));
+    pre.set_gradient("seq", kept.m.back(), kept.v.back());
+    kept.v.push_back(filled<V1<Space>>(data, 4));
+    kept.v.push_back(filled<V1<Space>>(data, 4));
+    pre.set_gradient("norm", kept.v[1], kept.v[2]);
+    pre.step();
+  }
+  require(pre.step_count() == 2, "two steps of the sequence layers");
+}
+
 // ---- the FDG pipeline (host memory only) ----------------------------------------------------------------------
 
 /// The smallest stage kfac::Pipeline accepts: y = s x over 3 features, s trained by plain SGD.
@@ -247,6 +280,7 @@ template <class Space>
 void preconditioners(const kfac::MpiComm& comm) {
   kaisa_and_inversions<Space>(comm);
   ngsgd_with_averaging<Space>(comm);
+  sequence_layers<Space>(comm);
 }
 
 }  // namespace
