@@ -147,8 +147,8 @@ inline void throw_module_problems(const std::vector<ModuleProblem>& problems, co
   throw Error("", all);
 }
 
-/// A Linear's input or output gradient over tokens (batch, ..., features): (batch, tokens,
-/// features), or (batch x tokens, features) for kfac-pytorch's expand.
+/// A Linear's or LayerNorm's input or output gradient over tokens (batch, ..., features):
+/// (batch, tokens, features), or (batch x tokens, features) for kfac-pytorch's expand (Linear).
 inline at::Tensor torch_tokens(const TorchCapture& c, const at::Tensor& t) {
   const int64_t width = t.size(-1);
   return c.flatten_tokens ? t.reshape({-1, width}) : t.reshape({t.size(0), -1, width});
@@ -188,7 +188,7 @@ inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x) 
       const at::Tensor mean = xd.mean({-1}, /*keepdim=*/true);
       const at::Tensor var = xd.var({-1}, /*unbiased=*/false, /*keepdim=*/true);
       const at::Tensor xhat = (xd - mean) * torch::rsqrt(var + c.bn_eps);
-      return xd.dim() == 2 ? xhat : xhat.reshape({xd.size(0), -1, xd.size(-1)});
+      return xd.dim() == 2 ? xhat : torch_tokens(c, xhat);
     }
   }
   return xd;
@@ -196,8 +196,8 @@ inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x) 
 
 /// The output gradient as kfac sees it, shaped like the call's input.
 inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g) {
-  if (c.kind == TorchKind::layer_norm && g.dim() > 2) return g.reshape({g.size(0), -1, g.size(-1)});
-  return c.kind != TorchKind::dense || g.dim() == 2 ? g : torch_tokens(c, g);
+  const bool over_features = c.kind == TorchKind::dense || c.kind == TorchKind::layer_norm;
+  return over_features && g.dim() > 2 ? torch_tokens(c, g) : g;
 }
 
 /// The type-erased Preconditioner: one implementation per Scalar (float, double) and communicator.
@@ -247,14 +247,8 @@ class TorchBackendOf final : public TorchBackend {
   bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
   bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
   void observe(const std::string& name, const at::Tensor& x, const at::Tensor& g) override {
-    const Scalar* xp = x.data_ptr<Scalar>();
-    const Scalar* gp = g.data_ptr<Scalar>();
-    if (x.dim() == 4) pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1), n(x, 2), n(x, 3)));
-    else if (x.dim() == 3) pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1), n(x, 2)));
-    else pre_.observe_input(name, adapters::from_raw(xp, n(x, 0), n(x, 1)));
-    if (g.dim() == 4) pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1), n(g, 2), n(g, 3)));
-    else if (g.dim() == 3) pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1), n(g, 2)));
-    else pre_.observe_output_grad(name, adapters::from_raw(gp, n(g, 0), n(g, 1)));
+    with_view(x, [&](const auto& v) { pre_.observe_input(name, v); });
+    with_view(g, [&](const auto& v) { pre_.observe_output_grad(name, v); });
   }
   void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) override {
     const auto bias = b.defined() ? adapters::from_raw(b.data_ptr<Scalar>(), n(b, 0))
@@ -283,6 +277,14 @@ class TorchBackendOf final : public TorchBackend {
   preconditioner_type& preconditioner() { return pre_; }
 
  private:
+  /// Calls `f` with a read-only view of an observation of rank 2, 3 or 4.
+  template <class F>
+  static void with_view(const at::Tensor& t, F&& f) {
+    const Scalar* p = t.data_ptr<Scalar>();
+    if (t.dim() == 4) f(adapters::from_raw(p, n(t, 0), n(t, 1), n(t, 2), n(t, 3)));
+    else if (t.dim() == 3) f(adapters::from_raw(p, n(t, 0), n(t, 1), n(t, 2)));
+    else f(adapters::from_raw(p, n(t, 0), n(t, 1)));
+  }
   /// Calls `f` with the Precision<F, D> that `p` names (the Scalar's for TorchPrecision::scalar).
   template <class F>
   static void with_precision(TorchPrecision p, F&& f) {
@@ -353,7 +355,8 @@ class TorchCore {
   /// of handing (batch, tokens, in) to kfac's Dense (Eschenhagen et al.'s expand: G divided by the
   /// batch; default).
   void set_flatten_tokens(bool on) {
-    for (auto& c : captures_) c->flatten_tokens = on && c->tokens == adapters::TokenReduction::expand;
+    for (auto& c : captures_)
+      c->flatten_tokens = on && c->kind == TorchKind::dense && c->tokens == adapters::TokenReduction::expand;
   }
 
  private:
