@@ -37,8 +37,9 @@ inline std::string extents_string(const long* e, int rank) {
 inline std::string Extents::str() const { return extents_string(data(), rank); }
 
 /// Whether extents are those of feature rows of `width` values: rank 2 (batch, width), rank 3
-/// (batch, tokens, width), or rank 4 (batch, width, 1, 1).
+/// (batch, tokens, width), or rank 4 (batch, width, 1, 1); never a rank-1 view (token ids).
 inline bool are_feature_rows(const Extents& e, long width) {
+  if (e.rank < 2) return false;
   if (e.rank == 3) return e[2] == width && e[3] == 1;
   return e[1] == width && e[2] == 1 && e[3] == 1;
 }
