@@ -53,6 +53,14 @@ Extents extents_of(const T4& t, int rank = 4) {
   return {{long(t.extent(0)), long(t.extent(1)), long(t.extent(2)), long(t.extent(3))}, rank};
 }
 
+/// dst(i) = src(i) converted to dst's scalar, for i < src.extent(0) (dst at least as long).
+template <class Exec, class Src, class Dst>
+void copy_converted(const Exec& exec, const char* label, const Src& src, const Dst& dst) {
+  using T = typename Dst::non_const_value_type;
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<Exec>(exec, 0, int(src.extent(0))), KOKKOS_LAMBDA(int i) { dst(i) = T(src(i)); });
+}
+
 /// Per unit c of a normalization layer, adds the sums over `n` samples of the products of the
 /// per-sample gradients \f$g^\gamma = \sum_p s\,dy\,\hat x\f$ and \f$g^\beta = \sum_p s\,dy\f$ (p over
 /// `positions` per sample) to `sums(c, 0..2)` = (gg, gb, bb). Value (k, c, p) of x̂ and dy sits at
