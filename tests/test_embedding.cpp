@@ -412,3 +412,65 @@ TEST_CASE("Embedding: a few hundred steps of a tiny embedding model decrease its
   CHECK(last < 1e-3 * first);
   for (int i = 0; i < dim; ++i) CHECK(weights(pad, i) == 0.0);  // the padding row never moves
 }
+
+TEST_CASE("Embedding: a float Preconditioner with float ids agrees with double", "[embedding][float]") {
+  Rng rng(17);
+  const Micro m(4, 3, true, rng, 2);
+  using PreF = kfac::Preconditioner<float, Host>;
+  PreF pf(plain_options().with_loss_reduction(kfac::LossReduction::mean));
+  Pre pd(plain_options().with_loss_reduction(kfac::LossReduction::mean));
+  const kfac::Embedding layer = kfac::Embedding(kVocabulary, kDim).with_padding_index(2);
+  pf.register_layer("emb", layer);
+  pd.register_layer("emb", layer);
+  Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> ids("ids", 4, 3);
+  Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::HostSpace> g("g", 4, 3, kDim);
+  for (std::size_t i = 0; i < ids.span(); ++i) ids.data()[i] = float(m.ids2.data()[i]);
+  for (std::size_t i = 0; i < g.span(); ++i) g.data()[i] = float(m.g3.data()[i]);
+  auto wd = random_view<double>(kVocabulary, kDim, rng);
+  Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace> wf("wf", kVocabulary, kDim);
+  for (std::size_t i = 0; i < wf.span(); ++i) wf.data()[i] = float(wd.data()[i]);
+  pf.observe_input("emb", ids);
+  pf.observe_output_grad("emb", g);
+  pf.set_gradient("emb", wf);
+  m.feed(pd, "emb");
+  pd.set_gradient("emb", wd);
+  pf.step();
+  pd.step();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < wd.span(); ++i) {
+    num += std::pow(double(wf.data()[i]) - wd.data()[i], 2);
+    den += wd.data()[i] * wd.data()[i];
+  }
+  INFO("relative difference " << std::sqrt(num / den));
+  CHECK(std::sqrt(num / den) < 1e-4);
+  ids(0, 1) = 0.5f;
+  expect_error([&] { pf.observe_input("emb", ids); }, "emb", {"token id 0.5", "not an integer"});
+}
+
+TEST_CASE("Embedding: a deferred decomposition (decomposition_delay) swaps in G's eigenbasis and diag(A) together",
+          "[embedding][deferred]") {
+  // With a delay of 1 and a decomposition every 2 steps, step 3 preconditions with the unit
+  // decomposed from the statistics of step 2: the same as an undelayed run's step 2 unit.
+  Rng rng(23);
+  Pre delayed(plain_options().with_inv_update_steps(2).with_decomposition_delay(1));
+  Pre plain(plain_options().with_inv_update_steps(2));
+  for (Pre* p : {&delayed, &plain}) p->register_layer("emb", kfac::Embedding(kVocabulary, kDim).with_padding_index(2));
+  for (int step = 0; step < 4; ++step) {
+    const Micro m(3, 2, true, rng, 2);
+    auto w = random_view<double>(kVocabulary, kDim, rng);
+    auto w2 = clone(w);
+    m.feed(delayed, "emb");
+    m.feed(plain, "emb");
+    delayed.set_gradient("emb", w);
+    plain.set_gradient("emb", w2);
+    delayed.step();
+    plain.step();
+    for (std::size_t i = 0; i < w.span(); ++i) REQUIRE(std::isfinite(w.data()[i]));
+    if (step == 2) CHECK_FALSE(same_bits(w, w2));  // the delayed run still uses the unit of step 0
+  }
+  const auto& d = delayed.layer_as<EBlock<>>("emb");
+  const auto& p = plain.layer_as<EBlock<>>("emb");
+  // after step 3 both hold the unit decomposed from the statistics of step 2
+  CHECK(same_bits(d.decomposition_a(), p.decomposition_a()));
+  CHECK(same_bits(d.decomposition_g()->lambda, p.decomposition_g()->lambda));
+}
