@@ -46,7 +46,7 @@ def reference(ids: torch.Tensor, out_grad: torch.Tensor, grad: torch.Tensor, pad
     return torch.linalg.solve(m, grad.reshape(-1).double()).reshape(VOCABULARY, DIM)
 
 
-@pytest.mark.parametrize('shape', [(6,), (3, 4)])
+@pytest.mark.parametrize('shape', [(6,), (3, 4), (2, 2, 3)])  # (B, T1, T2): one run of T1 T2 tokens
 @pytest.mark.parametrize('padding_idx', [None, 0])
 @pytest.mark.parametrize('diagonal', [False, True])
 def test_embedding_fisher_against_the_dense_kronecker_solve(shape: tuple[int, ...], padding_idx: int | None,
