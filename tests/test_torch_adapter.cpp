@@ -490,6 +490,16 @@ TEST_CASE("torch adapter: Embeddings kfac cannot precondition are named", "[torc
   // Left to the optimizer by kind.
   TorchPreconditioner skip(*sparse, {}, TorchOptions{}.with_skip({"embedding"}));
   CHECK((skip.modules() == std::vector<std::string>{"1"}));
+  // Tied weights: the head reuses the Embedding's weight; named at construction, fine with one skipped.
+  torch::nn::Embedding tok(5, 3);
+  torch::nn::Linear head(torch::nn::LinearOptions(3, 5).bias(false));
+  head->weight = tok->weight;  // what forward computes with (its parameter list keeps the old tensor)
+  torch::nn::Sequential tied(tok, head);
+  const std::string e3 = error_of([&] { TorchPreconditioner kp(*tied); }, &layer);
+  INFO(e3);
+  CHECK(layer == "1");
+  CHECK(has(e3, "its weight is also a parameter of '0' (tied weights)"));
+  CHECK((TorchPreconditioner(*tied, {}, TorchOptions{}.with_skip({"1"})).modules() == std::vector<std::string>{"0"}));
 }
 
 TEST_CASE("torch adapter: skipped modules' gradients are untouched bit for bit", "[torch][adapter][skip]") {

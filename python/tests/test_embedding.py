@@ -122,6 +122,13 @@ def test_embeddings_and_methods_kfac_cannot_take_are_refused_by_name() -> None:
     with pytest.raises(kfac.KFACError, match='a vocabulary of 16777217 ids with float32 parameters') as info:
         kfac.KFACPreconditioner(big, conventions='kfac')
     assert info.value.layer == 'root'
+    tied = Tagger(None)
+    tied.head = torch.nn.Linear(DIM, VOCABULARY, bias=False)
+    tied.head.weight = tied.emb.weight  # a language model's tied input and output embeddings
+    with pytest.raises(kfac.KFACError, match=r"its weight is also a parameter of 'emb' \(tied weights\)") as info:
+        kfac.KFACPreconditioner(tied, conventions='kfac')
+    assert info.value.layer == 'head'
+    assert kfac.KFACPreconditioner(tied, conventions='kfac', skip_layers=['head']).modules() == ['emb']
     model = Tagger(None)
     with pytest.raises(ValueError, match="Eigen is for Linear and Conv2d modules; module 'emb' is a torch.nn.Embed"):
         kfac.KFACPreconditioner(model, conventions='kfac', methods={'emb': kfac.methods.Eigen()})

@@ -521,6 +521,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     TorchTranslation layer;
   };
   std::vector<Found> found;
+  std::vector<std::pair<const void*, std::string>> owners;  // parameter memory -> the module registering it
   std::vector<ModuleProblem> problems;
   for (const TorchModuleSpec& s : specs) {
     if (s.skipped) {
@@ -558,10 +559,19 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
       else if (p->defined()) dtype_ = p->scalar_type();
       if (!why.empty()) break;
     }
+    // Tied weights (an Embedding's weight reused by the head): each module would precondition the
+    // one gradient in place for its own factors.
+    for (const at::Tensor* p : {&s.weight, &s.bias})
+      for (const auto& [memory, owner] : owners)
+        if (why.empty() && p->defined() && p->data_ptr() != nullptr && p->data_ptr() == memory)
+          why = std::string("its ") + (p == &s.weight ? "weight" : "bias") + " is also a parameter of '" + owner +
+                "' (tied weights): kfac preconditions each module's gradient for its own factors; " + front.skip_hint;
     if (!why.empty()) {
       problem(why);
       continue;
     }
+    for (const at::Tensor* p : {&s.weight, &s.bias})
+      if (p->defined() && p->data_ptr() != nullptr) owners.emplace_back(p->data_ptr(), s.name);
     found.push_back({&s, std::move(*t)});
   }
   // Token ids reach kfac as the Scalar's values: a float holds every integer only up to 2^24.
