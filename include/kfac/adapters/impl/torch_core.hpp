@@ -230,7 +230,13 @@ class TorchBackend {
 
 using TorchExec = Kokkos::DefaultHostExecutionSpace;
 
-template <class Scalar, class Comm>
+/// \brief The methods a backend can build. Each (method, precision) pair is a block type the
+/// backend's translation unit compiles (about 50 per Scalar for `all`), so a front end that
+/// offers no choice of method builds `default_only`: K-FAC with eigendecompositions and
+/// BatchNorm's or LayerNorm's unit-wise Fisher, in the parameters' precision.
+enum class TorchMethods { all, default_only };
+
+template <class Scalar, class Comm, TorchMethods Set = TorchMethods::all>
 class TorchBackendOf final : public TorchBackend {
  public:
   using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
@@ -299,28 +305,43 @@ class TorchBackendOf final : public TorchBackend {
   }
   template <class Layer>
   void add_unit_wise(const std::string& name, const Layer& l, TorchPrecision p) {
-    with_precision(p, [&](auto prec) {
-      using P = decltype(prec);
-      if constexpr (std::is_same<typename P::factor_type, Half>::value)
-        throw Error(name, std::string(Layer::kind) +
-                              ": half-precision factors are for Kronecker layers; store it in float or double");
-      else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
-    });
+    if constexpr (Set == TorchMethods::default_only) {
+      if (p != TorchPrecision::scalar) throw Error(name, not_offered(Layer::kind));
+      pre_.register_layer(name, l, UnitWiseFisher<UnitWise, Precision<Scalar>>{});
+    } else {
+      with_precision(p, [&](auto prec) {
+        using P = decltype(prec);
+        if constexpr (std::is_same<typename P::factor_type, Half>::value)
+          throw Error(name, std::string(Layer::kind) +
+                                ": half-precision factors are for Kronecker layers; store it in float or double");
+        else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
+      });
+    }
   }
   template <class Layer>
   void add_kronecker(const std::string& name, const Layer& l, const TorchMethod& m) {
-    std::visit(
-        [&](const auto& method) {
-          using M = std::decay_t<decltype(method)>;
-          if constexpr (std::is_same<M, NGSGD>::value) pre_.register_layer(name, l, method);
-          else
-            with_precision(m.precision, [&](auto prec) {
-              pre_.register_layer(name, l, KFAC<Symmetric, M, decltype(prec)>{method});
-            });
-        },
-        m.method);
+    if constexpr (Set == TorchMethods::default_only) {
+      const auto* eigen = std::get_if<Eigendecomposition<>>(&m.method);
+      if (!eigen || m.precision != TorchPrecision::scalar) throw Error(name, not_offered(Layer::kind));
+      pre_.register_layer(name, l, KFAC<Symmetric, Eigendecomposition<>, Precision<Scalar>>{*eigen});
+    } else {
+      std::visit(
+          [&](const auto& method) {
+            using M = std::decay_t<decltype(method)>;
+            if constexpr (std::is_same<M, NGSGD>::value) pre_.register_layer(name, l, method);
+            else
+              with_precision(m.precision, [&](auto prec) {
+                pre_.register_layer(name, l, KFAC<Symmetric, M, decltype(prec)>{method});
+              });
+          },
+          m.method);
+    }
   }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
+  static std::string not_offered(const char* kind) {
+    return std::string(kind) + ": this front end builds the default method in the parameters' precision only "
+                               "(TorchMethods::default_only)";
+  }
   preconditioner_type pre_;
 };
 
