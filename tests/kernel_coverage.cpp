@@ -3,10 +3,10 @@
 // together compile every label the Serial suite compiles (scripts/kernel_labels.sh check). Each part drives one
 // area through the public API: FDG pipeline buffers, NG-SGD with parameter averaging, KAISA's reduced-precision
 // factor sums (blocking and overlapped), the portable Jacobi and Cholesky solvers, packed symmetric factors, Conv2d
-// output-gradient rows, Dense over tokens and LayerNorm, the randomized eigensolver, the Eigen adapter's copies and
-// the cost model. The preconditioner
-// parts run on Kokkos::DefaultExecutionSpace and, where that is a device, on the host space as well (its LAPACK
-// paths). Nothing here launches a kernel of its own: data is filled on the host and copied.
+// output-gradient rows, Dense over tokens, LayerNorm and Embedding, the randomized eigensolver, the Eigen adapter's
+// copies and the cost model. The preconditioner parts run on Kokkos::DefaultExecutionSpace and, where that is a
+// device, on the host space as well (its LAPACK paths). Nothing here launches a kernel of its own: data is filled
+// on the host and copied.
 // Serial builds also run it, at 1 and 2 MPI ranks; it checks shapes only, and prints "kernel_coverage: ok".
 #include <mpi.h>
 
@@ -181,19 +181,27 @@ void ngsgd_with_averaging(const kfac::MpiComm& comm) {
   require(averager.averages() == 2, "two averages in four steps, every second step");
 }
 
-// ---- sequence layers: Dense over tokens (K-FAC-reduce) and LayerNorm ---------------------------------------------
+// ---- sequence layers: Dense over tokens (K-FAC-reduce), LayerNorm and Embedding ----------------------------------
 
 template <class Space>
 using V3 = Kokkos::View<double***, Kokkos::LayoutRight, typename Space::memory_space>;
 
 /// Two steps of a Dense layer over (batch, tokens, in) with Tokens::reduce (its averaged input rows and summed
-/// output-gradient rows) and of a LayerNorm over (batch, tokens, D) (its per-feature products).
+/// output-gradient rows), of a LayerNorm over (batch, tokens, D) (its per-feature products), and of two Embeddings
+/// over (batch, tokens) ids (the ids' check and counts, the masked output-gradient rows, G's eigenbasis apply; a
+/// diagonal G's closed form).
 template <class Space>
 void sequence_layers(const kfac::MpiComm& comm) {
   using Pre = kfac::Preconditioner<double, Space, kfac::MpiComm>;
   Pre pre(kfac::Options{}.with_kl_clip(0.0), Space{}, comm);
   pre.register_layer("seq", kfac::Dense(4, 3).with_tokens(kfac::Dense::Tokens::reduce));
   pre.register_layer("norm", kfac::LayerNorm(4));
+  pre.register_layer("tok", kfac::Embedding(6, 4).with_padding_index(0));
+  pre.register_layer("tok_diag", kfac::Embedding(6, 4), kfac::EmbeddingFisher<kfac::Diagonal>{});
+  V2<Space> ids("kernel_coverage::ids", kBatch, 5);  // valid ids, from the host
+  const auto host_ids = Kokkos::create_mirror_view(ids);
+  for (std::size_t i = 0; i < host_ids.span(); ++i) host_ids.data()[i] = double((i + std::size_t(comm.rank())) % 6);
+  Kokkos::deep_copy(ids, host_ids);
   Numbers data{std::uint64_t(41 + comm.rank())};
   for (int step = 0; step < 2; ++step) {
     Kept<Space> kept;
@@ -208,6 +216,12 @@ void sequence_layers(const kfac::MpiComm& comm) {
     kept.v.push_back(filled<V1<Space>>(data, 4));
     kept.v.push_back(filled<V1<Space>>(data, 4));
     pre.set_gradient("norm", kept.v[1], kept.v[2]);
+    for (const char* name : {"tok", "tok_diag"}) {
+      pre.observe_input(name, ids);
+      pre.observe_output_grad(name, filled<V3<Space>>(data, kBatch, 5, 4));
+      kept.m.push_back(filled<V2<Space>>(data, 6, 4));
+      pre.set_gradient(name, kept.m.back());
+    }
     pre.step();
   }
   require(pre.step_count() == 2, "two steps of the sequence layers");

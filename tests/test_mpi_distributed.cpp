@@ -255,6 +255,71 @@ TEST_CASE("distributed K-FAC equals the single-process result", "[mpi][distribut
   }
 }
 
+namespace {
+using V3 = Kokkos::View<double***, Kokkos::LayoutRight, Kokkos::HostSpace>;
+
+/// An Embedding(9, 5) with padding index 0 (G's eigendecomposition, unit G) and one with a
+/// diagonal G (no unit).
+template <class P>
+void register_embeddings(P& pre) {
+  pre.register_layer("emb", kfac::Embedding(9, 5).with_padding_index(0));
+  pre.register_layer("emb_diag", kfac::Embedding(9, 5), kfac::EmbeddingFisher<kfac::Diagonal>{});
+}
+
+/// As run(), for register_embeddings: (ranks * kBatch, 4) token ids and (ranks * kBatch, 4, 5)
+/// output gradients, identical on every rank, shard `rank` observed; returns the gradients.
+template <class P>
+std::vector<double> run_embeddings(P& pre, int rank, int ranks, int steps) {
+  std::vector<double> out;
+  for (int s = 0; s < steps; ++s) {
+    const int total = world_size(), n = total * kBatch;
+    Rng rng(2000 + s);
+    V2 ids("ids", n, 4);
+    for (std::size_t i = 0; i < ids.span(); ++i) ids.data()[i] = double(int(4.5 * (rng.uniform() + 1.0)) % 9);
+    V3 g("g", n, 4, 5);
+    for (std::size_t i = 0; i < g.span(); ++i) g.data()[i] = rng.uniform();
+    V2 w = random_view<double>(9, 5, rng), wd = random_view<double>(9, 5, rng);
+    if (pre.wants_observations()) {
+      V2 my_ids = ranks == 1 ? ids : shard(ids, rank, total);
+      V3 my_g = g;
+      if (ranks > 1) {
+        my_g = V3("shard", kBatch, 4, 5);
+        Kokkos::deep_copy(my_g, Kokkos::subview(g, std::make_pair(rank * kBatch, (rank + 1) * kBatch), Kokkos::ALL,
+                                                Kokkos::ALL));
+      }
+      for (const char* name : {"emb", "emb_diag"}) {
+        pre.observe_input(name, my_ids);
+        pre.observe_output_grad(name, my_g);
+      }
+    }
+    pre.set_gradient("emb", w);
+    pre.set_gradient("emb_diag", wd);
+    pre.step();
+    for (const auto* v : {&w, &wd}) out.insert(out.end(), v->data(), v->data() + v->span());
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("distributed Embedding equals the single-process result", "[mpi][distributed][embedding]") {
+  const int rank = world_rank(), size = world_size();
+  for (const double fraction : {1.0, 1.0 / size})
+    for (const bool to_owner : {false, true}) {
+      kfac::Preconditioner<double, Host> single(options(1.0));
+      register_embeddings(single);
+      const auto expect = run_embeddings(single, 0, 1, 5);
+      kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(fraction).with_reduce_to_owner(to_owner), Host(),
+                                                             kfac::MpiComm(MPI_COMM_WORLD));
+      register_embeddings(dist);
+      const auto got = run_embeddings(dist, rank, size, 5);
+      REQUIRE(got.size() == expect.size());
+      INFO("rank " << rank << " of " << size << ", fraction " << fraction << ", reduce-to-owner " << to_owner
+                   << ", relative difference " << rel_diff(got, expect));
+      CHECK(rel_diff(got, expect) < 1e-10);
+      CHECK(identical_on_all_ranks(got));
+    }
+}
+
 TEST_CASE("reduce-to-owner equals the single-process result", "[mpi][distributed][owner]") {
   const int size = world_size();
   SECTION("COMM-OPT, symmetric") { check_strategy<kfac::Symmetric>(1.0, true); }

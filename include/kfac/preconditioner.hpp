@@ -166,10 +166,8 @@ class Preconditioner {
     auto& e = reg_.at(name);
     auto t = impl::as_tensor<Scalar, Exec>(name, g, "output gradient");
     if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
-    if (!factor_due(e) || e.skipped || e.poisoned) {  // not used: its width is still checked
-      if (index_t(t.extent(View::rank == 3 ? 2 : 1)) != e.block->weight_rows())
-        throw Error(name, "output gradient has shape " + impl::shape_string(g) + ", expected (batch, " +
-                              (View::rank == 3 ? "tokens, " : "") + std::to_string(e.block->weight_rows()) + ", ...)");
+    if (!factor_due(e) || e.skipped || e.poisoned) {  // not used: its shape is still checked, by the layer
+      impl::fail_if(name, e.block->observations().check_output_grad_alone(impl::extents_of(t, int(View::rank))));
       return;
     }
     impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t, int(View::rank))));

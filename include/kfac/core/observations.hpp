@@ -55,7 +55,7 @@ class ObservationPairs {
     const std::size_t k = grads_.size();
     if (order_ == Order::input_first) {
       if (k >= inputs_.size())
-        return "output gradient observed without a matching normalized input (call observe_input first)";
+        return "output gradient observed without a matching input (call observe_input first)";
       return grad_check_(e, inputs_[k]);  // the layer's check includes the batch
     }
     if (k < inputs_.size() && e[0] != inputs_[k][0])
@@ -63,6 +63,11 @@ class ObservationPairs {
              std::to_string(k + 1) + " of this step) has batch " + std::to_string(inputs_[k][0]);
     return grad_check_(e, k < inputs_.size() ? inputs_[k] : last_input_);
   }
+
+  /// The layer's own check of an output gradient of extents `e` that pairs with no input (one
+  /// observed on a step that takes no observations: its shape is still checked), or an empty
+  /// string.
+  std::string check_output_grad_alone(const Extents& e) const { return grad_check_(e, Extents{{0, 0, 0, 0}, 4}); }
 
   void add_input(const Extents& e) {
     inputs_.push_back(e);

@@ -33,17 +33,19 @@ inline void fail_if(const std::string& name, const std::string& why) {
 template <class Scalar, class Exec, class View>
 constexpr bool observation_ok() {
   if constexpr (!Kokkos::is_view<View>::value) return false;
-  else return (View::rank >= 2 && View::rank <= 4) && std::is_same<typename View::non_const_value_type, Scalar>::value &&
+  else return (View::rank >= 1 && View::rank <= 4) && std::is_same<typename View::non_const_value_type, Scalar>::value &&
               Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible;
 }
 
 /// Row-major rank-2 (batch, features), rank-3 (batch, tokens, features) or rank-4 (N, C, H, W)
-/// view -> unmanaged rank-4 view, trailing extents 1.
+/// view, or the rank-1 (batch) token ids of an Embedding -> unmanaged rank-4 view, trailing
+/// extents 1. Which ranks a layer takes is its own check (impl::Extents::rank).
 template <class Scalar, class Exec, class View>
 Tensor4<Scalar, Exec> as_tensor(const std::string& name, const View& v, const char* what) {
   static_assert(Kokkos::is_view<View>::value, "kfac: observations must be Kokkos views");
-  static_assert(View::rank >= 2 && View::rank <= 4,
-                "kfac: observations are (batch, features), (batch, tokens, features) or (N, C, H, W) views");
+  static_assert(View::rank >= 1 && View::rank <= 4,
+                "kfac: observations are (batch, features), (batch, tokens, features) or (N, C, H, W) views, or "
+                "(batch) / (batch, tokens) token ids");
   static_assert(std::is_same<typename View::non_const_value_type, Scalar>::value,
                 "kfac: observations must have the Preconditioner's Scalar type");
   static_assert(Kokkos::SpaceAccessibility<Exec, typename View::memory_space>::accessible,
@@ -53,8 +55,9 @@ Tensor4<Scalar, Exec> as_tensor(const std::string& name, const View& v, const ch
   } else {
     if (!std::is_same<typename View::array_layout, Kokkos::LayoutRight>::value || !v.span_is_contiguous())
       throw Error(name, std::string(what) + " must be a contiguous row-major (LayoutRight) view");
-    const std::size_t d2 = View::rank >= 3 ? v.extent(2) : 1, d3 = View::rank == 4 ? v.extent(3) : 1;
-    return Tensor4<Scalar, Exec>(v.data(), v.extent(0), v.extent(1), d2, d3);
+    const std::size_t d1 = View::rank >= 2 ? v.extent(1) : 1, d2 = View::rank >= 3 ? v.extent(2) : 1,
+                      d3 = View::rank == 4 ? v.extent(3) : 1;
+    return Tensor4<Scalar, Exec>(v.data(), v.extent(0), d1, d2, d3);
   }
 }
 

@@ -37,8 +37,9 @@ inline std::string extents_string(const long* e, int rank) {
 inline std::string Extents::str() const { return extents_string(data(), rank); }
 
 /// Whether extents are those of feature rows of `width` values: rank 2 (batch, width), rank 3
-/// (batch, tokens, width), or rank 4 (batch, width, 1, 1).
+/// (batch, tokens, width), or rank 4 (batch, width, 1, 1); never a rank-1 view (token ids).
 inline bool are_feature_rows(const Extents& e, long width) {
+  if (e.rank < 2) return false;
   if (e.rank == 3) return e[2] == width && e[3] == 1;
   return e[1] == width && e[2] == 1 && e[3] == 1;
 }
@@ -50,6 +51,14 @@ inline long tokens_of(const Extents& e, long width) { return e[2] == width && e[
 template <class T4>
 Extents extents_of(const T4& t, int rank = 4) {
   return {{long(t.extent(0)), long(t.extent(1)), long(t.extent(2)), long(t.extent(3))}, rank};
+}
+
+/// dst(i) = src(i) converted to dst's scalar, for i < src.extent(0) (dst at least as long).
+template <class Exec, class Src, class Dst>
+void copy_converted(const Exec& exec, const char* label, const Src& src, const Dst& dst) {
+  using T = typename Dst::non_const_value_type;
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<Exec>(exec, 0, int(src.extent(0))), KOKKOS_LAMBDA(int i) { dst(i) = T(src(i)); });
 }
 
 /// Per unit c of a normalization layer, adds the sums over `n` samples of the products of the

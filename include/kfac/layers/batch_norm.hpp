@@ -36,13 +36,13 @@ class BatchNorm2d {
   std::string describe() const { return std::string(kind) + "(c=" + std::to_string(c_) + ")"; }
 
   std::string check_input(const impl::Extents& e) const {
-    if (e[1] != c_)
+    if (e.rank < 2 || e[1] != c_)
       return "input has shape " + e.str() + ", expected (batch, " +
              std::to_string(c_) + ", H, W)";
     return {};
   }
   std::string check_output_grad(const impl::Extents& e, const impl::Extents& input) const {
-    if (e[1] != c_ || (input[0] > 0 && (e[0] != input[0] || e[2] != input[2] || e[3] != input[3])))
+    if (e.rank < 2 || e[1] != c_ || (input[0] > 0 && (e[0] != input[0] || e[2] != input[2] || e[3] != input[3])))
       return "output gradient has shape " + e.str() +
              ", expected (batch, " + std::to_string(c_) + ", H, W) matching the input";
     return {};

@@ -72,7 +72,7 @@ class Conv2d {
   }
 
   std::string check_input(const impl::Extents& e) const {
-    if (e.rank == 3 || e[1] != c_ || out_h(index_t(e[2])) < 1 || out_w(index_t(e[3])) < 1)
+    if (e.rank < 2 || e.rank == 3 || e[1] != c_ || out_h(index_t(e[2])) < 1 || out_w(index_t(e[3])) < 1)
       return "input has shape " + e.str() + ", expected (batch, " +
              std::to_string(c_) + ", H, W) with the kernel fitting inside the padded image";
     return {};
@@ -81,7 +81,7 @@ class Conv2d {
   /// (`input` all zero when none was observed).
   std::string check_output_grad(const impl::Extents& e, const impl::Extents& input) const {
     const index_t in_h_ = index_t(input[2]), in_w_ = index_t(input[3]);
-    if (e.rank == 3 || e[1] != o_ || (in_h_ > 0 && (e[2] != out_h(in_h_) || e[3] != out_w(in_w_))))
+    if (e.rank < 2 || e.rank == 3 || e[1] != o_ || (in_h_ > 0 && (e[2] != out_h(in_h_) || e[3] != out_w(in_w_))))
       return "output gradient has shape " + e.str() +
              ", expected (batch, " + std::to_string(o_) + ", " +
              (in_h_ > 0 ? std::to_string(out_h(in_h_)) + ", " + std::to_string(out_w(in_w_))

@@ -5,17 +5,23 @@
 
 #include <type_traits>
 
+#include "kfac/layers/embedding.hpp"
+#include "kfac/methods/embedding/embedding_fisher.hpp"
 #include "kfac/methods/kfac/kfac_method.hpp"
 #include "kfac/methods/unit_wise/unit_wise_fisher.hpp"
 
 namespace kfac {
 
 /// \brief default_method<L>::type: KFAC<> for Kronecker layer types (Dense, Conv2d),
-/// UnitWiseFisher<> for the others (BatchNorm2d, LayerNorm). Specialize it for a layer type of
-/// your own.
+/// EmbeddingFisher<> for Embedding, UnitWiseFisher<> for the others (BatchNorm2d, LayerNorm).
+/// Specialize it for a layer type of your own.
 template <class LayerType, class = void>
 struct default_method {
   using type = std::conditional_t<LayerType::is_kronecker, KFAC<>, UnitWiseFisher<>>;
+};
+template <>
+struct default_method<Embedding> {
+  using type = EmbeddingFisher<>;
 };
 
 namespace impl {

@@ -65,10 +65,12 @@ namespace kfac {
 /// `Scalar` is the Preconditioner's: a method's kfac::ScalarPrecision resolves to it.
 struct LayerShape {
   std::string name;
-  std::string kind;              ///< "dense", "conv2d" or "batch_norm" (matched by skip_layers)
-  index_t a_dim = 0;             ///< A is a_dim x a_dim (Kronecker layers)
-  index_t g_dim = 0;             ///< G is g_dim x g_dim; the gradient is g_dim x a_dim
-  index_t channels = 0;          ///< units of a unit-wise layer: channels, features (0 for Kronecker layers)
+  std::string kind;              ///< the layer's kind, "dense", "conv2d", "embedding", ... (matched by skip_layers)
+  /// The gradient is g_dim x a_dim (its weight's rows, and columns with the bias); for Kronecker
+  /// layers also the sizes of A (a_dim x a_dim) and G (g_dim x g_dim).
+  index_t a_dim = 0;
+  index_t g_dim = 0;
+  index_t channels = 0;          ///< a non-Kronecker layer's weight rows: channels, features, vocabulary (else 0)
   bool kronecker = true;
   bool packed = true;            ///< matrix statistics travel as packed upper triangles (kfac::Symmetric)
   std::size_t factor_scalar = 8;         ///< bytes per value of the averaged statistics
@@ -101,10 +103,7 @@ struct LayerShape {
     s.describe_block(*method.template make_block<Scalar, Kokkos::DefaultHostExecutionSpace>(name, layer));
     s.name = std::move(name);
     s.kind = LayerType::kind;
-    if constexpr (LayerType::is_kronecker) {
-      s.a_dim = layer.a_dim();
-      s.g_dim = layer.g_dim();
-    } else {
+    if constexpr (!LayerType::is_kronecker) {
       s.kronecker = false;
       s.channels = layer.weight_rows();
     }
@@ -149,6 +148,8 @@ struct LayerShape {
       packed = packed && (f.packed || !f.matrix);
     }
     packed = packed && matrices;
+    g_dim = b.weight_rows();
+    a_dim = b.weight_cols() + (b.has_bias() ? 1 : 0);
     units_coupled = b.units_coupled();
     split_passes = b.split_passes();
     plan = b.plan();
@@ -225,9 +226,10 @@ struct MachineFigures {
   /// Seconds of the element-wise passes over `layer`'s g x a gradient that every rank makes at
   /// every step, whatever the strategy: loading it (read, write), writing the preconditioned
   /// gradient back (read, write) and, with KL clipping, the inner product (two reads), at
-  /// memory_bandwidth in the decomposition's scalar. Closed forms (BatchNorm) are not modelled.
+  /// memory_bandwidth in the decomposition's scalar. Closed forms of other layers than Kronecker
+  /// ones (BatchNorm, LayerNorm, an Embedding with a diagonal G) are not modelled.
   double gradient_pass_seconds(const LayerShape& layer, bool kl_clip) const {
-    if (!layer.kronecker) return 0.0;
+    if (!layer.kronecker && layer.decomposed_factors() == 0) return 0.0;
     const double values = double(layer.g_dim) * double(layer.a_dim);
     return (kl_clip ? 6.0 : 4.0) * values * double(layer.decomposition_scalar) / memory_bandwidth;
   }

@@ -54,10 +54,11 @@ void clamped_eigh(const Exec& exec, const F& factor, const Matrix<T, Exec>& q, c
 }
 
 /// Columns [c0, c1) of out divided by \f$\lambda_G \lambda_A^T + \gamma\f$ (or times the
-/// precomputed reciprocal `r`, when it has out's shape).
-template <class T, class Exec>
-void scale_eigenbasis_columns(const Exec& exec, const Vector<T, Exec>& la, const Vector<T, Exec>& lg, double damping,
-                              const Matrix<T, Exec>& r, const Matrix<T, Exec>& out, int c0, int c1) {
+/// precomputed reciprocal `r`, when it has out's shape). `la` and `lg` are contiguous vectors of
+/// any scalar that converts to T (an Embedding's diag(A) is its stored factor).
+template <class T, class Exec, class LA, class LG>
+void scale_eigenbasis_columns(const Exec& exec, const LA& la, const LG& lg, double damping, const Matrix<T, Exec>& r,
+                              const Matrix<T, Exec>& out, int c0, int c1) {
   const T d = T(damping);
   const bool pre = r.extent(0) == out.extent(0) && r.extent(1) == out.extent(1);
   const int rows = int(out.extent(0));
@@ -67,19 +68,19 @@ void scale_eigenbasis_columns(const Exec& exec, const Vector<T, Exec>& la, const
     Kokkos::parallel_for(
         "kfac::eigen::scale", Kokkos::RangePolicy<Exec>(exec, c0, c1), KOKKOS_LAMBDA(int j) {
           T* o = &out(0, j);
-          const T* g = lg.data();
+          const auto* g = lg.data();
           if (pre) {
             const T* rj = &r(0, j);
             for (int i = 0; i < rows; ++i) o[i] = o[i] * rj[i];
           } else {
-            const T aj = la(j);
-            for (int i = 0; i < rows; ++i) o[i] = o[i] / (g[i] * aj + d);
+            const T aj = T(la(j));
+            for (int i = 0; i < rows; ++i) o[i] = o[i] / (T(g[i]) * aj + d);
           }
         });
   } else {
     Kokkos::parallel_for(
         "kfac::eigen::scale", ColumnMajorRange<Exec>(exec, {0, c0}, {rows, c1}),
-        KOKKOS_LAMBDA(int i, int j) { out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (lg(i) * la(j) + d); });
+        KOKKOS_LAMBDA(int i, int j) { out(i, j) = pre ? out(i, j) * r(i, j) : out(i, j) / (T(lg(i)) * T(la(j)) + d); });
   }
 }
 

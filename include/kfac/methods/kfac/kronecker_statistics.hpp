@@ -39,6 +39,27 @@ void fold_observation(const Exec& exec, const RMatrix& rows, bool first, const F
   }
 }
 
+/// \brief fold_observation into the pending Gram matrix `pending` of an n x n factor (n x 1
+/// for diagonal ones), allocated at the first call and kept: each step's first observation
+/// overwrites it (`first`, beta = 0), later ones add to it, so no step allocates or zeroes n x n
+/// memory. Shared by every block that keeps a Kronecker factor's statistics (KroneckerStatistics,
+/// EmbeddingBlock's G).
+template <bool diagonal, class Exec, class Rows, class PMatrix>
+void fold_into_pending(const Exec& exec, const Rows& rows, bool first, index_t n, PMatrix& pending) {
+  using C = typename PMatrix::non_const_value_type;
+  // The host BLAS's syrk, and GEMM (KokkosBlas, cuBLAS) alike, never read C when beta = 0,
+  // and only the upper triangle is read afterwards; the portable path is still zeroed once,
+  // at allocation, so that no uninitialised value is ever read by a kernel.
+  constexpr bool overwritten = syrk_overwrites_v<Exec, C> || diagonal;
+  if (pending.extent(0) == 0) {
+    if constexpr (overwritten)
+      pending = PMatrix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::pending"), n, diagonal ? 1 : n);
+    else
+      pending = PMatrix("kfac::layer::pending", n, diagonal ? 1 : n);
+  }
+  fold_observation<diagonal>(exec, rows, first, pending);
+}
+
 /// \brief \f$f = \beta_0 f + \alpha P\f$ from the pending Gram matrix P (its upper triangle, or
 /// the diagonal), computed in P's arithmetic type C and rounded once to f's storage type
 /// (kfac::Half: float arithmetic); \f$\beta_0 = 0\f$ ignores f's old values, as BLAS does.
@@ -307,24 +328,12 @@ class KroneckerStatistics : public Block<Scalar, Exec> {
     return ConstRows();
   }
 
-  /// Folds one observation's rows into its pending Gram matrix, so that only O(n^2) stays
-  /// between observe and step, whatever the batch. The rows themselves live only during the
-  /// observe call. The Gram matrix is allocated at the layer's first observation and kept for
-  /// the layer's lifetime: each step's first observation overwrites it (beta = 0), later ones
-  /// add to it (beta = 1), so no step allocates or zeroes n x n memory.
+  /// Folds one observation's rows into its pending Gram matrix (fold_into_pending), so that
+  /// only O(n^2) stays between observe and step, whatever the batch. The rows themselves live
+  /// only during the observe call.
   template <class Rows>
   void fold(const Exec& exec, const Rows& rows, bool first, index_t n, PMatrix& pending) {
-    // The host BLAS's syrk, and GEMM (KokkosBlas, cuBLAS) alike, never read C when beta = 0,
-    // and only the upper triangle is read afterwards; the portable path is still zeroed once,
-    // at allocation, so that no uninitialised value is ever read by a kernel.
-    constexpr bool overwritten = syrk_overwrites_v<Exec, C> || diagonal;
-    if (pending.extent(0) == 0) {
-      if constexpr (overwritten)
-        pending = PMatrix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::layer::pending"), n, diagonal ? 1 : n);
-      else
-        pending = PMatrix("kfac::layer::pending", n, diagonal ? 1 : n);
-    }
-    fold_observation<diagonal>(exec, rows, first, pending);
+    fold_into_pending<diagonal>(exec, rows, first, n, pending);
   }
 
   LayerType layer_;
