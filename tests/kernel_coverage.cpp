@@ -93,8 +93,8 @@ using Randomized = kfac::RandomizedEigen<>;
 /// float32 payloads summed one bucket at a time (the blocking staging buffer). Either way a kernel packs the
 /// payload (at one rank nothing is summed, but all of it is compiled).
 /// Layers: the portable Jacobi eigensolver, the portable Cholesky inverse, the vendor Cholesky, Newton-Schulz
-/// (its diagonal shift), the randomized eigensolver, and a Conv2d (its output-gradient rows). One Dense layer is
-/// fed from column-major Eigen matrices through the adapter's row-major copies and written back.
+/// (its diagonal shift), the randomized eigensolver, diagonal K-FAC, and a Conv2d (its output-gradient rows). One
+/// Dense layer is fed from column-major Eigen matrices through the adapter's row-major copies and written back.
 template <class Space>
 void kaisa_and_inversions(const kfac::MpiComm& comm) {
   using Pre = kfac::Preconditioner<double, Space, kfac::MpiComm>;
@@ -112,6 +112,7 @@ void kaisa_and_inversions(const kfac::MpiComm& comm) {
     pre.register_layer("randomized", kfac::Dense(12, 10),
                        kfac::KFAC<kfac::Symmetric, Randomized>(Randomized{}.with_rank(2).with_oversampling(2)));
     pre.register_layer("conv", kfac::Conv2d(2, 3, 3, 3).with_padding(1, 1), kfac::KFAC<>{});
+    pre.register_layer("diagonal", kfac::Dense(4, 3), kfac::KFAC<kfac::Diagonal>{});
     Numbers data{std::uint64_t(11 + comm.rank())}, grads{23};  // each rank its own data, the same gradients
     for (int step = 0; step < 3; ++step) {
       Kept<Space> kept;
@@ -119,6 +120,7 @@ void kaisa_and_inversions(const kfac::MpiComm& comm) {
       feed_dense(pre, "cholesky", 4, 3, data, grads, kept);
       feed_dense(pre, "newton", 3, 2, data, grads, kept);
       feed_dense(pre, "randomized", 12, 10, data, grads, kept);
+      feed_dense(pre, "diagonal", 4, 3, data, grads, kept);
       if (pre.wants_observations("conv")) {
         pre.observe_input("conv", filled<V4<Space>>(data, kBatch, 2, 4, 4));
         pre.observe_output_grad("conv", filled<V4<Space>>(data, kBatch, 3, 4, 4));

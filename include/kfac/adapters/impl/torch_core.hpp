@@ -249,7 +249,14 @@ class TorchBackend {
 
 using TorchExec = Kokkos::DefaultHostExecutionSpace;
 
-template <class Scalar, class Comm>
+/// \brief The methods a backend can build. Each (method, precision) pair is a block type the
+/// backend's translation unit compiles (about 50 per Scalar for `all`), so a front end that
+/// offers no choice of method builds `default_only`: K-FAC with eigendecompositions,
+/// BatchNorm's or LayerNorm's unit-wise Fisher and Embedding's EmbeddingFisher<>, in the
+/// parameters' precision.
+enum class TorchMethods { all, default_only };
+
+template <class Scalar, class Comm, TorchMethods Set = TorchMethods::all>
 class TorchBackendOf final : public TorchBackend {
  public:
   using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
@@ -320,41 +327,62 @@ class TorchBackendOf final : public TorchBackend {
   }
   template <class Layer>
   void add_unit_wise(const std::string& name, const Layer& l, TorchPrecision p) {
-    with_precision(p, [&](auto prec) {
-      using P = decltype(prec);
-      if constexpr (std::is_same<typename P::factor_type, Half>::value)
-        throw Error(name, std::string(Layer::kind) +
-                              ": half-precision factors are for Kronecker layers; store it in float or double");
-      else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
-    });
+    if constexpr (Set == TorchMethods::default_only) {
+      if (p != TorchPrecision::scalar) throw Error(name, not_offered(Layer::kind));
+      pre_.register_layer(name, l, UnitWiseFisher<UnitWise, Precision<Scalar>>{});
+    } else {
+      with_precision(p, [&](auto prec) {
+        using P = decltype(prec);
+        if constexpr (std::is_same<typename P::factor_type, Half>::value)
+          throw Error(name, std::string(Layer::kind) +
+                                ": half-precision factors are for Kronecker layers; store it in float or double");
+        else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
+      });
+    }
   }
   /// EmbeddingFisher<Symmetric or Diagonal, Eigendecomposition<>, P> in the precision `m` names,
-  /// G decomposed with the settings of `m`'s Eigendecomposition<> (the only method an Embedding has).
+  /// G decomposed with the settings of `m`'s Eigendecomposition<> (the only method an Embedding
+  /// has); default_only: EmbeddingFisher<> in the parameters' precision.
   void add_embedding(const std::string& name, const Embedding& l, const TorchMethod& m) {
     const auto* eigen = std::get_if<Eigendecomposition<>>(&m.method);
     if (!eigen) throw Error(name, "embedding: its method is EmbeddingFisher (G's eigendecomposition), not another one");
-    with_precision(m.precision, [&](auto prec) {
-      using P = decltype(prec);
-      if constexpr (std::is_same<typename P::factor_type, Half>::value)
-        throw Error(name, "embedding: half-precision factors are for Kronecker layers; store it in float or double");
-      else if (m.diagonal) pre_.register_layer(name, l, EmbeddingFisher<Diagonal, Eigendecomposition<>, P>{*eigen});
-      else pre_.register_layer(name, l, EmbeddingFisher<Symmetric, Eigendecomposition<>, P>{*eigen});
-    });
+    if constexpr (Set == TorchMethods::default_only) {
+      if (m.diagonal || m.precision != TorchPrecision::scalar) throw Error(name, not_offered(Embedding::kind));
+      pre_.register_layer(name, l, EmbeddingFisher<Symmetric, Eigendecomposition<>, Precision<Scalar>>{*eigen});
+    } else {
+      with_precision(m.precision, [&](auto prec) {
+        using P = decltype(prec);
+        if constexpr (std::is_same<typename P::factor_type, Half>::value)
+          throw Error(name, "embedding: half-precision factors are for Kronecker layers; store it in float or double");
+        else if (m.diagonal) pre_.register_layer(name, l, EmbeddingFisher<Diagonal, Eigendecomposition<>, P>{*eigen});
+        else pre_.register_layer(name, l, EmbeddingFisher<Symmetric, Eigendecomposition<>, P>{*eigen});
+      });
+    }
   }
   template <class Layer>
   void add_kronecker(const std::string& name, const Layer& l, const TorchMethod& m) {
-    std::visit(
-        [&](const auto& method) {
-          using M = std::decay_t<decltype(method)>;
-          if constexpr (std::is_same<M, NGSGD>::value) pre_.register_layer(name, l, method);
-          else
-            with_precision(m.precision, [&](auto prec) {
-              pre_.register_layer(name, l, KFAC<Symmetric, M, decltype(prec)>{method});
-            });
-        },
-        m.method);
+    if constexpr (Set == TorchMethods::default_only) {
+      const auto* eigen = std::get_if<Eigendecomposition<>>(&m.method);
+      if (!eigen || m.precision != TorchPrecision::scalar) throw Error(name, not_offered(Layer::kind));
+      pre_.register_layer(name, l, KFAC<Symmetric, Eigendecomposition<>, Precision<Scalar>>{*eigen});
+    } else {
+      std::visit(
+          [&](const auto& method) {
+            using M = std::decay_t<decltype(method)>;
+            if constexpr (std::is_same<M, NGSGD>::value) pre_.register_layer(name, l, method);
+            else
+              with_precision(m.precision, [&](auto prec) {
+                pre_.register_layer(name, l, KFAC<Symmetric, M, decltype(prec)>{method});
+              });
+          },
+          m.method);
+    }
   }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
+  static std::string not_offered(const char* kind) {
+    return std::string(kind) + ": this front end builds the default method in the parameters' precision only "
+                               "(TorchMethods::default_only)";
+  }
   preconditioner_type pre_;
 };
 

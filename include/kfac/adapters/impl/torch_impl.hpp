@@ -17,6 +17,10 @@ inline std::string torch_type_name(const torch::nn::Module& m) {
   return n;
 }
 
+/// The LibTorch front end's backend: it offers no choice of method (the Python package does), so
+/// it compiles the default ones only (TorchMethods).
+template <class Scalar, class Comm>
+using CppTorchBackend = TorchBackendOf<Scalar, Comm, TorchMethods::default_only>;
 }  // namespace impl
 
 namespace adapters {
@@ -110,12 +114,14 @@ inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, 
       [&](at::ScalarType dtype, Options o) -> std::unique_ptr<impl::TorchBackend> {
 #if KFAC_HAVE_MPI
         if (torch_options_.mpi) {
-          if (dtype == at::kDouble) return std::make_unique<impl::TorchBackendOf<double, MpiComm>>(std::move(o), *torch_options_.mpi);
-          return std::make_unique<impl::TorchBackendOf<float, MpiComm>>(std::move(o), *torch_options_.mpi);
+          const MpiComm& mpi = *torch_options_.mpi;
+          if (dtype == at::kDouble) return std::make_unique<impl::CppTorchBackend<double, MpiComm>>(std::move(o), mpi);
+          return std::make_unique<impl::CppTorchBackend<float, MpiComm>>(std::move(o), mpi);
         }
 #endif
-        if (dtype == at::kDouble) return std::make_unique<impl::TorchBackendOf<double, SerialComm>>(std::move(o), SerialComm{});
-        return std::make_unique<impl::TorchBackendOf<float, SerialComm>>(std::move(o), SerialComm{});
+        if (dtype == at::kDouble)
+          return std::make_unique<impl::CppTorchBackend<double, SerialComm>>(std::move(o), SerialComm{});
+        return std::make_unique<impl::CppTorchBackend<float, SerialComm>>(std::move(o), SerialComm{});
       });
   // The registered modules, in the core's order, for observed().
   const std::vector<std::string> names = core_->modules();
@@ -155,7 +161,7 @@ inline void TorchPreconditioner::precondition() { core_->precondition(); }
 
 template <class Scalar, class Comm>
 Preconditioner<Scalar, impl::TorchExec, Comm>& TorchPreconditioner::preconditioner() {
-  auto* b = dynamic_cast<impl::TorchBackendOf<Scalar, Comm>*>(&core_->backend());
+  auto* b = dynamic_cast<impl::CppTorchBackend<Scalar, Comm>*>(&core_->backend());
   bool mpi = false;
 #if KFAC_HAVE_MPI
   mpi = bool(torch_options_.mpi);
