@@ -10,7 +10,7 @@ packages=(
   libopenblas-dev liblapacke-dev
   zlib1g-dev gnuplot-nox ccache
   clang libclang-rt-14-dev
-  dataset-fashion-mnist
+  dataset-fashion-mnist fortunes   # fortunes: English text for the character GPT (scripts/transformer_benchmark.sh)
   libtorch-dev
   doxygen
   python3-torch python3-numpy python3-dev pybind11-dev python3-pytest python3-torchvision python3-mpi4py
