@@ -233,12 +233,12 @@ struct GroupedImpl : torch::nn::Module {
 };
 struct TwoImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
-  torch::nn::Embedding emb{nullptr};
-  explicit TwoImpl(bool with_embedding = false) {
+  torch::nn::EmbeddingBag bag{nullptr};
+  explicit TwoImpl(bool with_bag = false) {
     fc1 = register_module("fc1", torch::nn::Linear(4, 4));
     fc2 = register_module("fc2", torch::nn::Linear(4, 4));
     fc3 = register_module("fc3", torch::nn::Linear(4, 3));
-    if (with_embedding) emb = register_module("emb", torch::nn::Embedding(10, 4));
+    if (with_bag) bag = register_module("bag", torch::nn::EmbeddingBag(10, 4));
   }
 };
 
@@ -273,13 +273,13 @@ TEST_CASE("torch adapter: unsupported modules are named at registration", "[torc
   CHECK((by_type.modules() == std::vector<std::string>{"fc"}));
 
   // A module kfac has no layer type for is named too, never silently left out.
-  auto with_emb = std::make_shared<TwoImpl>(true);
+  auto with_bag = std::make_shared<TwoImpl>(true);
   std::string layer;
-  const std::string e2 = error_of([&] { TorchPreconditioner kp(*with_emb); }, &layer);
+  const std::string e2 = error_of([&] { TorchPreconditioner kp(*with_bag); }, &layer);
   INFO(e2);
-  CHECK(layer == "emb");
+  CHECK(layer == "bag");
   CHECK(has(e2, "no layer type"));
-  CHECK_NOTHROW(TorchPreconditioner(*with_emb, {}, TorchOptions{}.with_skip({"Embedding"})));
+  CHECK_NOTHROW(TorchPreconditioner(*with_bag, {}, TorchOptions{}.with_skip({"EmbeddingBag"})));
 
   // A module already driven by another preconditioner.
   auto two = std::make_shared<TwoImpl>();
@@ -415,6 +415,91 @@ TEST_CASE("torch adapter: a LayerNorm over tokens equals kfac fed torch's own no
   const std::string e = error_of([&] { TorchPreconditioner bad(*wide); }, &layer);
   CHECK(layer == "root");
   CHECK(has(e, "normalizes over its last 2 dimensions"));
+}
+
+TEST_CASE("torch adapter: an Embedding over token ids equals kfac fed the same ids and output gradients",
+          "[torch][adapter][embedding]") {
+  torch::manual_seed(23);
+  // max_norm renormalizes rows in place before the lookup; the gradient is the plain lookup's.
+  torch::nn::Embedding emb(torch::nn::EmbeddingOptions(7, 4).padding_idx(0).max_norm(1.5));
+  emb->to(at::kDouble);
+  TorchPreconditioner kp(*emb, options());
+  CHECK((kp.modules() == std::vector<std::string>{"root"}));
+  kfac::Preconditioner<double, Host> ref(options());
+  ref.register_layer("emb", kfac::Embedding(7, 4).with_padding_index(0));
+  for (int step = 0; step < 3; ++step) {
+    // (batch, tokens) ids, then (batch, 1, tokens): its tokens are one run per sample.
+    const at::Tensor ids = torch::randint(0, 7, {3, 5}, at::kLong);
+    at::Tensor gy;
+    at::Tensor y = observed(emb, step < 2 ? ids : ids.reshape({3, 1, 5}));
+    y.register_hook([&](const at::Tensor& g) { gy = g.clone(); });
+    emb->zero_grad();
+    (y.sin().sum() / 3.0).backward();
+    const at::Tensor w = emb->weight.grad().clone();
+    kp.precondition();
+    const at::Tensor x = ids.to(at::kDouble).contiguous(), g = gy.reshape({3, 5, 4}).contiguous();
+    ref.observe_input("emb", kfac::adapters::from_raw(x.data_ptr<double>(), 3, 5));
+    ref.observe_output_grad("emb", kfac::adapters::from_raw(g.data_ptr<double>(), 3, 5, 4));
+    ref.set_gradient("emb", kfac::adapters::from_raw(w.data_ptr<double>(), 7, 4));
+    ref.step();
+    INFO("step " << step);
+    CHECK(torch::allclose(emb->weight.grad(), w, 1e-10, 1e-13));
+    CHECK(torch::equal(emb->weight.grad()[0], torch::zeros({4}, at::kDouble)));  // the padding row's
+    CHECK(!torch::allclose(emb->weight.grad(), gy.new_zeros({7, 4}), 1e-3, 1e-3));
+  }
+  // Rank-1 ids: one token per sample.
+  torch::nn::Embedding one(torch::nn::EmbeddingOptions(5, 3));
+  TorchPreconditioner kp1(*one, options());
+  const at::Tensor ids = torch::tensor({4, 1, 1, 0}, at::kLong);
+  at::Tensor gy;
+  at::Tensor y = observed(one, ids);
+  y.register_hook([&](const at::Tensor& g) { gy = g.clone(); });
+  (y.cos().sum() / 4.0).backward();
+  const at::Tensor w = one->weight.grad().clone();
+  kp1.precondition();
+  kfac::Preconditioner<float, Host> ref1(options());
+  ref1.register_layer("one", kfac::Embedding(5, 3));
+  const at::Tensor x = ids.to(at::kFloat);
+  ref1.observe_input("one", kfac::adapters::from_raw(x.data_ptr<float>(), 4));
+  const at::Tensor g = gy.contiguous();
+  ref1.observe_output_grad("one", kfac::adapters::from_raw(g.data_ptr<float>(), 4, 3));
+  ref1.set_gradient("one", kfac::adapters::from_raw(w.data_ptr<float>(), 5, 3));
+  ref1.step();
+  CHECK(torch::allclose(one->weight.grad(), w, 1e-5, 1e-7));
+}
+
+TEST_CASE("torch adapter: Embeddings kfac cannot precondition are named", "[torch][adapter][embedding][errors]") {
+  std::string layer;
+  torch::nn::Sequential sparse(torch::nn::Embedding(torch::nn::EmbeddingOptions(6, 2).sparse(true)),
+                               torch::nn::Linear(2, 2));
+  const std::string e = error_of([&] { TorchPreconditioner kp(*sparse); }, &layer);
+  INFO(e);
+  CHECK(layer == "0");
+  CHECK(has(e, "(torch::nn::Embedding) sparse gradients"));
+  CHECK(has(e, "TorchOptions::with_skip"));
+  torch::nn::Embedding by_freq(torch::nn::EmbeddingOptions(6, 2).scale_grad_by_freq(true));
+  CHECK(has(error_of([&] { TorchPreconditioner kp(*by_freq); }), "scale_grad_by_freq divides each row's gradient"));
+  // Float32 parameters: ids above 2^24 would not be exact.
+  torch::nn::Embedding big(torch::nn::EmbeddingOptions((int64_t(1) << 24) + 1, 1));
+  const std::string e2 = error_of([&] { TorchPreconditioner kp(*big); }, &layer);
+  INFO(e2);
+  CHECK(layer == "root");
+  CHECK(has(e2, "a vocabulary of 16777217 ids with float32 parameters"));
+  big->to(at::kDouble);
+  CHECK_NOTHROW(TorchPreconditioner(*big));
+  // Left to the optimizer by kind.
+  TorchPreconditioner skip(*sparse, {}, TorchOptions{}.with_skip({"embedding"}));
+  CHECK((skip.modules() == std::vector<std::string>{"1"}));
+  // Tied weights: the head reuses the Embedding's weight; named at construction, fine with one skipped.
+  torch::nn::Embedding tok(5, 3);
+  torch::nn::Linear head(torch::nn::LinearOptions(3, 5).bias(false));
+  head->weight = tok->weight;  // what forward computes with (its parameter list keeps the old tensor)
+  torch::nn::Sequential tied(tok, head);
+  const std::string e3 = error_of([&] { TorchPreconditioner kp(*tied); }, &layer);
+  INFO(e3);
+  CHECK(layer == "1");
+  CHECK(has(e3, "its weight is also a parameter of '0' (tied weights)"));
+  CHECK((TorchPreconditioner(*tied, {}, TorchOptions{}.with_skip({"1"})).modules() == std::vector<std::string>{"0"}));
 }
 
 TEST_CASE("torch adapter: skipped modules' gradients are untouched bit for bit", "[torch][adapter][skip]") {

@@ -6,7 +6,7 @@ defaults (except Cholesky's pi_damping: off, kfac-pytorch's INVERSE). Pass them 
 its arguments when built and raises a ValueError naming the one that is wrong. Pass the settings
 by keyword (``RandomizedEigen(rank=32)``).
 
-The K-FAC methods and UnitWiseFisher take ``factor_dtype`` (storage of the running factors:
+The K-FAC methods, UnitWiseFisher and EmbeddingFisher take ``factor_dtype`` (storage of the running factors:
 float16, i.e. kfac::Half, binary16; float32; float64) and ``inv_dtype`` (decompositions and the
 preconditioning arithmetic: float32, float64); None takes KFACPreconditioner's, whose None is the
 parameters' dtype (see ``precision``).
@@ -20,7 +20,17 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ['Cholesky', 'Eigen', 'Method', 'NGSGD', 'NewtonSchulz', 'RandomizedEigen', 'UnitWiseFisher', 'precision']
+__all__ = [
+    'Cholesky',
+    'EmbeddingFisher',
+    'Eigen',
+    'Method',
+    'NGSGD',
+    'NewtonSchulz',
+    'RandomizedEigen',
+    'UnitWiseFisher',
+    'precision',
+]
 
 _FACTOR_DTYPES = (torch.float16, torch.float32, torch.float64)
 _INV_DTYPES = (torch.float32, torch.float64)
@@ -87,7 +97,8 @@ class Method:
 
     kind: ClassVar[str]
     cpp: ClassVar[str]  # the C++ object, for messages and docs
-    kronecker: ClassVar[bool] = True  # for Linear and Conv2d (else BatchNorm2d and LayerNorm)
+    modules: ClassVar[tuple[str, ...]] = ('linear', 'conv2d')  # the module types it applies to (the core's)
+    applies_to: ClassVar[str] = 'Linear and Conv2d'  # the same, for messages
     has_precision: ClassVar[bool] = True
 
     def _core_spec(self, default_factor: Any, default_inv: Any, params: torch.dtype) -> dict[str, Any]:
@@ -104,8 +115,8 @@ class Method:
 
 @dataclasses.dataclass(frozen=True)
 class _WithPrecision(Method):
-    """The precision fields of the K-FAC methods and UnitWiseFisher (first in positional order:
-    pass every setting by keyword)."""
+    """The precision fields of the K-FAC methods, UnitWiseFisher and EmbeddingFisher (first in
+    positional order: pass every setting by keyword)."""
 
     factor_dtype: torch.dtype | None = None
     inv_dtype: torch.dtype | None = None
@@ -253,18 +264,56 @@ class UnitWiseFisher(_WithPrecision):
 
     kind: ClassVar[str] = 'unit_wise_fisher'
     cpp: ClassVar[str] = 'kfac::UnitWiseFisher<UnitWise, Prec>'
-    kronecker: ClassVar[bool] = False
+    modules: ClassVar[tuple[str, ...]] = ('batch_norm', 'layer_norm')
+    applies_to: ClassVar[str] = 'BatchNorm2d and LayerNorm'
 
     def __post_init__(self) -> None:
-        if self.factor_dtype == torch.float16:
-            raise ValueError(
-                'UnitWiseFisher: factor_dtype=torch.float16: half-precision storage is for Kronecker factors '
-                '(kfac::Half); the unit-wise Fisher is kept in float32 or float64',
-            )
+        _no_half_factors(self, 'the unit-wise Fisher')
         super().__post_init__()
 
     def _core_spec(self, default_factor: Any, default_inv: Any, params: torch.dtype) -> dict[str, Any]:
         """A float16 default (KFACPreconditioner's factor_dtype) is for the Kronecker modules:
         BatchNorm2d keeps float32, the decomposition type of kfac::HalfPrecision."""
-        factor = torch.float32 if default_factor == torch.float16 else default_factor
-        return super()._core_spec(factor, default_inv, params)
+        return super()._core_spec(_no_half(default_factor), default_inv, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingFisher(_WithPrecision):
+    """The Fisher of an Embedding, diag(A) from token counts times G from output gradients
+    (K-FAC-expand with one-hot inputs, docs/transformers.md): kfac::EmbeddingFisher<Symmetric,
+    Eigendecomposition<>, Prec>, G decomposed with jacobi_sweeps and refresh_tolerance (as Eigen's);
+    diagonal=True keeps only diag(G) (kfac::EmbeddingFisher<Diagonal>: nothing to decompose).
+    The only method of Embedding modules (registered under conventions='kfac')."""
+
+    diagonal: bool = False
+    jacobi_sweeps: int = 60
+    refresh_tolerance: float = 0.0
+    kind: ClassVar[str] = 'embedding_fisher'
+    cpp: ClassVar[str] = 'kfac::EmbeddingFisher<Symmetric or Diagonal, Eigendecomposition<>, Prec>'
+    modules: ClassVar[tuple[str, ...]] = ('embedding',)
+    applies_to: ClassVar[str] = 'Embedding'
+
+    def __post_init__(self) -> None:
+        _flag('EmbeddingFisher', 'diagonal', self.diagonal)
+        _int('EmbeddingFisher', 'jacobi_sweeps', self.jacobi_sweeps, 1)
+        _real('EmbeddingFisher', 'refresh_tolerance', self.refresh_tolerance, lambda v: 0 <= v < 1, 'in [0, 1)')
+        _no_half_factors(self, "an Embedding's factors")
+        super().__post_init__()
+
+    def _core_spec(self, default_factor: Any, default_inv: Any, params: torch.dtype) -> dict[str, Any]:
+        """As UnitWiseFisher: a float16 default factor_dtype is for the Kronecker modules."""
+        return super()._core_spec(_no_half(default_factor), default_inv, params)
+
+
+def _no_half_factors(method: _WithPrecision, what: str) -> None:
+    if method.factor_dtype == torch.float16:
+        raise ValueError(
+            f'{type(method).__name__}: factor_dtype=torch.float16: half-precision storage is for Kronecker factors '
+            f'(kfac::Half); {what} is kept in float32 or float64',
+        )
+
+
+def _no_half(default_factor: Any) -> Any:
+    """KFACPreconditioner's factor_dtype for a method without half-precision factors: float32,
+    the decomposition type of kfac::HalfPrecision, for float16."""
+    return torch.float32 if default_factor == torch.float16 else default_factor

@@ -43,10 +43,10 @@ _CONVENTIONS = ('kfac-pytorch', 'kfac')
 
 def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str, Any]:
     """What kfac's shared translation needs to know of one module owning parameters. Under
-    kfac-pytorch's conventions, subclasses of Linear and Conv2d count as theirs and BatchNorm2d
-    and LayerNorm are left to the optimizer (kfac-pytorch's registration); under kfac's, exact
-    types only (a subclass may change what forward computes) and affine BatchNorm2d and LayerNorm
-    too."""
+    kfac-pytorch's conventions, subclasses of Linear and Conv2d count as theirs and BatchNorm2d,
+    LayerNorm and Embedding are left to the optimizer (kfac-pytorch's registration); under kfac's,
+    exact types only (a subclass may change what forward computes) and affine BatchNorm2d,
+    LayerNorm and Embedding too."""
     d: dict[str, Any] = {
         'name': name,
         'type_name': _type_name(module),
@@ -75,6 +75,15 @@ def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str,
     elif type(module) is torch.nn.LayerNorm and not ours:
         shape = tuple(module.normalized_shape)
         d.update(type='layer_norm', num_features=shape[-1], normalized_dims=len(shape), eps=module.eps)
+    elif type(module) is torch.nn.Embedding and not ours:
+        d.update(
+            type='embedding',
+            num_embeddings=module.num_embeddings,
+            embedding_dim=module.embedding_dim,
+            padding_idx=module.padding_idx,
+            sparse=module.sparse,
+            scale_grad_by_freq=module.scale_grad_by_freq,
+        )
     if not isinstance(d['weight'], torch.Tensor):
         d['weight'] = None
     if not isinstance(d['bias'], torch.Tensor):
@@ -96,8 +105,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         >>> optimizer.step()
 
     Args (kfac-pytorch's):
-        model: the model; its Linear and Conv2d modules are registered (and affine BatchNorm2d and LayerNorm
-            under conventions='kfac').
+        model: the model; its Linear and Conv2d modules are registered (and affine BatchNorm2d,
+            LayerNorm and Embedding under conventions='kfac').
         factor_update_steps, inv_update_steps: intervals (int, or callable of the step).
         damping, factor_decay, kl_clip, lr: floats or callables of the step; kl_clip None
             disables the KL clipping.
@@ -114,7 +123,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             gradients are divided by it.
         factor_dtype, inv_dtype: the storage of the factors (float16, i.e. kfac's binary16 Half;
             float32; float64) and the type of the decompositions (float32, float64) of every
-            K-FAC and unit-wise module whose method does not set its own; None (default): the
+            module whose method does not set its own (float16 factors: Linear and Conv2d only;
+            the others keep float32); None (default): the
             parameters' dtype (float32 decompositions for float16 factors). What kfac has no
             precision for (bfloat16, float16 decompositions, float16 factors with float64
             decompositions) is a ValueError naming it (kfac.methods.precision).
@@ -125,10 +135,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     Args (kfac's own):
         methods: {regex or module: kfac.methods object} (Eigen(), RandomizedEigen(rank=32),
-            Cholesky(), NewtonSchulz(), NGSGD(), UnitWiseFisher()); a regex is searched in the
-            module names, a module object is that module; the first entry that matches a module
-            wins; modules no entry matches get compute_method's (BatchNorm2d and LayerNorm
-            UnitWiseFisher()).
+            Cholesky(), NewtonSchulz(), NGSGD(), UnitWiseFisher(), EmbeddingFisher()); a regex is
+            searched in the module names, a module object is that module; the first entry that
+            matches a module wins; modules no entry matches get compute_method's (BatchNorm2d and
+            LayerNorm UnitWiseFisher(), Embedding EmbeddingFisher()).
             'eigen', 'inverse', 'ngsgd' stand for Eigen(), Cholesky(pi_damping=pi_damping),
             NGSGD(). A method for a module that is not preconditioned, or of the wrong kind for
             it, and a regex that decides no module's method, are ValueErrors naming them.
@@ -136,20 +146,22 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             2015, section 6.3) instead of the same damping on both factors.
         conventions: 'kfac-pytorch' (default: its factor scalings, factors starting at the
             identity, its accumulation and INVERSE damping; subclasses of Linear and Conv2d
-            registered, BatchNorm2d and LayerNorm left to the optimizer) or 'kfac' (factors of
-            per-sample gradients, KFC for convolutions, unit-wise Fisher of BatchNorm2d and LayerNorm).
+            registered, BatchNorm2d, LayerNorm and Embedding left to the optimizer) or 'kfac'
+            (factors of per-sample gradients, KFC for convolutions, unit-wise Fisher of BatchNorm2d
+            and LayerNorm, EmbeddingFisher of Embedding).
         loss_reduction: with conventions='kfac': 'mean' (default; the loss is a mean over the
             batch) or 'sum'.
         nonfinite: 'raise' (default) or 'skip' (a step with NaN/Inf changes nothing).
         decomposition_delay: decompositions of step s used from step s + d.
-        token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in);
+        token_reduction: 'none', 'expand' or 'reduce' for Linear layers on (B, T, ..., in) (an
+            Embedding's Fisher is always K-FAC-expand, over ids of any shape);
             default 'expand' (kfac-pytorch's conventions: tokens flattened into the batch, as
             kfac-pytorch does) or 'none' (kfac's; 'expand' and 'reduce' are then Eschenhagen et
             al. 2023's K-FAC-expand and K-FAC-reduce, docs/python.md).
         mpi_comm: an mpi4py communicator: kfac's factors are averaged over it (instead of
             torch.distributed's default group); the gradients are averaged by the caller.
         strict: False (default, as kfac-pytorch): a module with parameters whose type kfac has
-            no layer for (Embedding, LayerNorm, a subclass of Linear, ...) is left to the
+            no layer for (EmbeddingBag, ConvTranspose2d, a custom module, ...) is left to the
             optimizer and listed by skipped(); True: such a module is a KFACError naming it.
     """
 
@@ -384,17 +396,17 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             raise ValueError(f"{hit[0]}: module '{name}' ({d['type_name']}) is not preconditioned ({why})")
         if not registered:
             return None
-        kronecker = d['type'] in ('linear', 'conv2d')
         if hit is None:
             method = self._method_object(self.compute_method.name.lower(), 'compute_method')
-            method = method if kronecker else kfac_methods.UnitWiseFisher()
+            for only in (kfac_methods.UnitWiseFisher(), kfac_methods.EmbeddingFisher()):  # their kinds' one method
+                method = only if d['type'] in only.modules else method
         else:
             where, _, method = hit
             deciding.add(where)
-            if method.kronecker != kronecker:
-                fits = 'Linear and Conv2d' if method.kronecker else 'BatchNorm2d and LayerNorm'
+            if d['type'] not in method.modules:
                 raise ValueError(
-                    f"{where}: {type(method).__name__} is for {fits} modules; module '{name}' is a {d['type_name']}",
+                    f"{where}: {type(method).__name__} is for {method.applies_to} modules; module '{name}' is a "
+                    f"{d['type_name']}",
                 )
         if isinstance(method, kfac_methods.Cholesky) and method.damping_on_each_factor is None:
             method = dataclasses.replace(method, damping_on_each_factor=self.conventions == 'kfac-pytorch')
@@ -447,9 +459,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             d['skipped'] = any(hits)
             d['conventions'] = self.conventions
             # Left to the optimizer, and why: kfac-pytorch's rule is that what kfac has no layer for
-            # is the optimizer's alone (with strict=True an error instead, except BatchNorm2d and LayerNorm, left
-            # by the conventions themselves); a frozen one is listed by frozen() instead.
-            by_convention = (type(module) in (torch.nn.BatchNorm2d, torch.nn.LayerNorm)
+            # is the optimizer's alone (with strict=True an error instead, except BatchNorm2d, LayerNorm and
+            # Embedding, left by the conventions themselves); a frozen one is listed by frozen() instead.
+            by_convention = (type(module) in (torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.Embedding)
                              and self.conventions == 'kfac-pytorch')
             if id(module) in never_called:
                 d['type'] = 'other'

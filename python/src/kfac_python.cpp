@@ -228,6 +228,11 @@ kfac::impl::TorchMethod method_from(const std::string& module, const py::dict& m
         .with_symmetry_breaker(real("symmetry_breaker"))
         .with_relative_d_floor(flag("relative_d_floor"));
     t.method = n;
+  } else if (kind == "embedding_fisher") {  // G's eigendecomposition, or diag(G) alone
+    t.method = kfac::Eigendecomposition<>{}
+                   .with_jacobi_sweeps(int(integer("jacobi_sweeps")))
+                   .with_refresh_tolerance(real("refresh_tolerance"));
+    t.diagonal = flag("diagonal");
   } else if (kind != "unit_wise_fisher") {  // BatchNorm2d's and LayerNorm's: only its precision is read
     throw kfac::Error(module, "method '" + kind + "': not one of kfac.methods'");
   }
@@ -244,6 +249,7 @@ TorchModuleSpec spec_from(const py::dict& d) {
            : type == "conv2d" ? TorchModuleSpec::Type::conv2d
            : type == "batch_norm" ? TorchModuleSpec::Type::batch_norm
            : type == "layer_norm" ? TorchModuleSpec::Type::layer_norm
+           : type == "embedding"  ? TorchModuleSpec::Type::embedding
                                   : TorchModuleSpec::Type::other;
   s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
   if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();
@@ -277,13 +283,19 @@ TorchModuleSpec spec_from(const py::dict& d) {
     s.num_features = d["num_features"].cast<int64_t>();
     s.eps = d["eps"].cast<double>();
     if (d.contains("normalized_dims")) s.normalized_dims = d["normalized_dims"].cast<int64_t>();
+  } else if (s.type == TorchModuleSpec::Type::embedding) {
+    s.num_embeddings = d["num_embeddings"].cast<int64_t>();
+    s.embedding_dim = d["embedding_dim"].cast<int64_t>();
+    if (!d["padding_idx"].is_none()) s.padding_idx = d["padding_idx"].cast<int64_t>();
+    s.sparse = d["sparse"].cast<bool>();
+    s.scale_grad_by_freq = d["scale_grad_by_freq"].cast<bool>();
   }
   return s;
 }
 
 const kfac::impl::TorchFrontEnd& python_front_end() {
   static const kfac::impl::TorchFrontEnd f{
-      "KFACPreconditioner", "torch.nn.Linear, Conv2d, BatchNorm2d or LayerNorm",
+      "KFACPreconditioner", "torch.nn.Linear, Conv2d, BatchNorm2d, LayerNorm or Embedding",
       "add its name or class to skip_layers to leave it to the optimizer alone", "accumulation_steps",
       "its forward-pre hook did not fire on this factor-update step (was it called in training mode, with autograd "
       "on, through module(x) rather than functionally?)",

@@ -54,5 +54,17 @@ class Sequence(torch.nn.Module):
         return self.head(torch.tanh(self.norm(self.fc(x))).mean(1))
 
 
+class TokenIds(torch.nn.Module):
+    """(B, T) token ids: an Embedding with a padding index, the tokens pooled, a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(9, 5, padding_idx=0)
+        self.head = torch.nn.Linear(5, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)).mean(1))
+
+
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kfac
-from _nets import ConvLinear, Sequence, grads
+from _nets import ConvLinear, Sequence, TokenIds, grads
 
 # kfac's conventions: factors of per-sample gradients, the same at any world size (kfac-pytorch's are not)
 SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=0.1,
@@ -20,15 +20,18 @@ SETTINGS = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, factor_
 STEPS, PER_RANK, WORLD = 3, 4, 2
 
 
-# Conv2d + Linear; or a Linear over tokens (K-FAC-reduce), a LayerNorm and a head (kfac's new layer kinds)
-NETS = {'conv': (ConvLinear, (2, 5, 4), ['conv', 'fc']), 'tokens': (Sequence, (5, 4), ['fc', 'norm', 'head'])}
+# Conv2d + Linear; or a Linear over tokens (K-FAC-reduce), a LayerNorm and a head (kfac's new layer kinds); or
+# an Embedding of (B, T) token ids (None: ids in [0, 9), not features)
+NETS = {'conv': (ConvLinear, (2, 5, 4), ['conv', 'fc']), 'tokens': (Sequence, (5, 4), ['fc', 'norm', 'head']),
+        'ids': (TokenIds, None, ['emb', 'head'])}
 
 
 def _batches(net: str):
     torch.manual_seed(41)
     shape = NETS[net][1]
-    return [(torch.randn(WORLD * PER_RANK, *shape, dtype=torch.float64), torch.randint(0, 4, (WORLD * PER_RANK,)))
-            for _ in range(STEPS)]
+    inputs = (lambda: torch.randint(0, 9, (WORLD * PER_RANK, 6))) if shape is None else (
+        lambda: torch.randn(WORLD * PER_RANK, *shape, dtype=torch.float64))
+    return [(inputs(), torch.randint(0, 4, (WORLD * PER_RANK,))) for _ in range(STEPS)]
 
 
 def _model(net: str):
@@ -58,7 +61,8 @@ def _worker(rank: int, port: int, out: str, strategy: str, net: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(('strategy', 'net'), [('COMM_OPT', 'conv'), ('MEM_OPT', 'conv'), ('COMM_OPT', 'tokens')])
+@pytest.mark.parametrize(('strategy', 'net'),
+                         [('COMM_OPT', 'conv'), ('MEM_OPT', 'conv'), ('COMM_OPT', 'tokens'), ('MEM_OPT', 'ids')])
 def test_two_gloo_processes_equal_one_process_on_the_whole_batch(tmp_path, strategy: str, net: str) -> None:
     """COMM_OPT: every rank decomposes and preconditions; MEM_OPT (grad_worker_fraction 1/2):
     each layer's decompositions and preconditioning on one rank, its gradient broadcast."""

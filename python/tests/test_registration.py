@@ -56,6 +56,7 @@ class Unsupported(torch.nn.Module):
         self.reflect = torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode='reflect')
         self.asym = torch.nn.Conv2d(4, 4, 2, padding='same')
         self.emb = torch.nn.Embedding(10, 4)
+        self.bag = torch.nn.EmbeddingBag(10, 4)
         self.norm = torch.nn.LayerNorm(4)
         self.up = torch.nn.ConvTranspose2d(4, 4, 3)
         self.custom = Custom()
@@ -72,26 +73,27 @@ def test_the_rest_is_refused_by_name_when_strict() -> None:
         ('depthwise', 'depthwise convolutions (groups = in_channels = 4)'),
         ('reflect', 'only zero padding is supported (padding_mode reflect)'),
         ('asym', "padding 'same' with an even dilated kernel pads asymmetrically"),
-        ('emb', '(torch.nn.Embedding) owns parameters but kfac has no layer type'),
+        ('bag', '(torch.nn.EmbeddingBag) owns parameters but kfac has no layer type'),
         ('up', '(torch.nn.ConvTranspose2d)'),
         ('custom', 'Custom) owns parameters'),
     ]:
         assert f"'{name}'" in text and why in text, (name, text)
     assert "'fc'" not in text
     assert "'norm'" not in text  # kfac-pytorch's conventions leave LayerNorm to the optimizer, as BatchNorm2d
+    assert "'emb'" not in text  # and Embedding
     assert isinstance(info.value, RuntimeError)
 
 
 def test_one_refused_module_is_the_errors_layer() -> None:
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4), torch.nn.Linear(4, 2))
     with pytest.raises(kfac.KFACError) as info:
         kfac.KFACPreconditioner(model, strict=True)
     assert info.value.layer == '0'
     # The C++ core's text, as kfac::Error writes it.
     assert str(info.value) == (
-        "kfac: layer '0': (torch.nn.Embedding) owns parameters but kfac has no layer type for it "
-        '(supported: torch.nn.Linear, Conv2d, BatchNorm2d or LayerNorm); add its name or class to skip_layers '
-        'to leave it to the optimizer alone'
+        "kfac: layer '0': (torch.nn.EmbeddingBag) owns parameters but kfac has no layer type for it "
+        '(supported: torch.nn.Linear, Conv2d, BatchNorm2d, LayerNorm or Embedding); add its name or class to '
+        'skip_layers to leave it to the optimizer alone'
     )
 
 
@@ -101,18 +103,18 @@ LEFT = 'no kfac layer type: left to the optimizer'
 def test_the_rest_is_left_to_the_optimizer_by_default() -> None:
     """kfac-pytorch's rule: a module kfac has no layer type for is ignored and named by skipped();
     a known type configured in a way kfac cannot handle is still refused, by name."""
-    p = kfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4), Custom(),
+    p = kfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4), torch.nn.LayerNorm(4), Custom(),
                                                     torch.nn.ConvTranspose2d(4, 4, 3), torch.nn.Linear(4, 2)))
     assert p.modules() == ['4']
     skipped = p.skipped()
     by_convention = "kfac-pytorch's conventions: left to the optimizer (conventions='kfac' preconditions it)"
-    assert skipped[:2] == [f'0 (torch.nn.Embedding, {LEFT})', f'1 (torch.nn.LayerNorm, {by_convention})']
+    assert skipped[:2] == [f'0 (torch.nn.EmbeddingBag, {LEFT})', f'1 (torch.nn.LayerNorm, {by_convention})']
     assert skipped[2].startswith('2 (') and skipped[2].endswith(f'.Custom, {LEFT})'), skipped[2]
     assert skipped[3:] == [f'3 (torch.nn.ConvTranspose2d, {LEFT})']
     with pytest.raises(kfac.KFACError, match="layer 'grouped'.*grouped convolutions"):
         kfac.KFACPreconditioner(torch.nn.ModuleDict({'grouped': torch.nn.Conv2d(4, 4, 3, groups=2),
                                                      'fc': torch.nn.Linear(4, 2)}))
-    with pytest.raises(kfac.KFACError, match='no torch.nn.Linear, Conv2d, BatchNorm2d or LayerNorm module'):
+    with pytest.raises(kfac.KFACError, match='no torch.nn.Linear, Conv2d, BatchNorm2d, LayerNorm or Embedding module'):
         kfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Embedding(10, 4)))
 
 
@@ -152,13 +154,16 @@ def test_a_transformer_encoder_trains_with_its_linears_preconditioned(convention
     torch.manual_seed(0)
     model = TinyLM()
     p = kfac.KFACPreconditioner(model, token_reduction='expand', conventions=conventions)
-    # kfac's conventions precondition the LayerNorms too (kfac-pytorch's leave them to the optimizer).
+    # kfac's conventions precondition the LayerNorms and the Embedding too (kfac-pytorch's leave them to the
+    # optimizer).
     norms = conventions == 'kfac'
     per_layer = [('linear1', True), ('linear2', True), ('norm1', norms), ('norm2', norms)]
-    assert p.modules() == [f'encoder.layers.{i}.{m}' for i in range(2) for m, on in per_layer if on] + ['head']
+    assert p.modules() == [*(['emb'] if norms else []),
+                           *[f'encoder.layers.{i}.{m}' for i in range(2) for m, on in per_layer if on], 'head']
     left = [s.split(' ')[0] for s in p.skipped()]
     per_layer = [('self_attn', True), ('self_attn.out_proj', True), ('norm1', not norms), ('norm2', not norms)]
-    assert left == ['emb', *[f'encoder.layers.{i}.{m}' for i in range(2) for m, on in per_layer if on]]
+    assert left == [*([] if norms else ['emb']),
+                    *[f'encoder.layers.{i}.{m}' for i in range(2) for m, on in per_layer if on]]
     # A subclass of Linear (kfac-pytorch registers those) that its owner never calls.
     out_proj = [s for s in p.skipped() if s.startswith('encoder.layers.0.self_attn.out_proj ')]
     assert out_proj == [f'encoder.layers.0.self_attn.out_proj (torch.nn.NonDynamicallyQuantizableLinear, {OUT_PROJ})']
@@ -199,8 +204,9 @@ def test_skip_layers_by_name_and_class() -> None:
         skip_layers=['grouped', 'depth', 'reflect', 'asym', 'Embedding', 'LayerNorm', 'up', 'custom'],
     )
     assert p.modules() == ['fc']
-    assert len(p.skipped()) == 8
+    assert len(p.skipped()) == 9
     assert 'emb (torch.nn.Embedding, skip list)' in p.skipped()
+    assert 'bag (torch.nn.EmbeddingBag, skip list)' in p.skipped()
     # A string is one pattern (kfac-pytorch accepts both).
     assert kfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)), skip_layers='0').modules() == ['1']
 

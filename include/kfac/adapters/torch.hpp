@@ -15,20 +15,22 @@
 /// \endcode
 ///
 /// **Registration.** The constructor walks `model.named_modules()` once and registers every
-/// `torch::nn::Linear`, `Conv2d`, `BatchNorm2d` (affine) and `LayerNorm` (affine, over the last
-/// dimension) under its path ("features.0"),
+/// `torch::nn::Linear`, `Conv2d`, `BatchNorm2d` (affine), `LayerNorm` (affine, over the last
+/// dimension) and `Embedding` (dense gradients; kfac::EmbeddingFisher) under its path ("features.0"),
 /// except the modules matched by TorchOptions::with_skip (name patterns with `*` and `?`, or
 /// types) and frozen modules (every parameter `requires_grad = false`, as kfac-pytorch skips
 /// them; listed by frozen() and skipped()). A module kfac cannot handle — a grouped or depthwise convolution, non-zero padding
-/// modes, asymmetric 'same' padding, or any other module owning parameters (an Embedding, a
-/// LayerNorm, a custom module with its own parameters) — is named in a kfac::Error unless it is
+/// modes, asymmetric 'same' padding, an Embedding with sparse gradients or scale_grad_by_freq (or,
+/// with float32 parameters, more than 2^24 ids), or any other module owning parameters (an
+/// EmbeddingBag, a custom module with its own parameters) — is named in a kfac::Error unless it is
 /// skipped: its parameters are never left unpreconditioned silently.
 ///
 /// **Inputs.** LibTorch 1.13's C++ modules have no forward hooks (and `forward` is not
 /// virtual), so nothing can intercept `conv1(x)`. The least intrusive way that works is a call
 /// wrapper: `observed(conv1, x)` runs `conv1(x)` and, for a registered module in training mode
 /// with autograd on, on a step that wants observations, keeps a reference to the input (no copy;
-/// BatchNorm2d and LayerNorm: the normalized input, computed as the module does)
+/// BatchNorm2d and LayerNorm: the normalized input, computed as the module does; Embedding: its
+/// integer ids of shape (batch) or (batch, tokens, ...), read as the Scalar's values at precondition())
 /// and hooks the output tensor (`register_hook`) for its gradient. For any other module, or when
 /// no TorchPreconditioner is alive, it is just `conv1(x)`. The model needs no access to the
 /// preconditioner.
@@ -74,7 +76,7 @@ enum class TokenReduction {
 ///
 /// | type | name | description | default |
 /// |---|---|---|---|
-/// | vector<string> | skip | module paths (glob: `*` any run of characters, `?` one) or types (`Conv2d`, `torch::nn::Conv2d`, `torch::nn::Conv2dImpl`, kfac kinds `dense`, `conv2d`, `batch_norm`) left out | {} |
+/// | vector<string> | skip | module paths (glob: `*` any run of characters, `?` one) or types (`Conv2d`, `torch::nn::Conv2d`, `torch::nn::Conv2dImpl`, kfac kinds `dense`, `conv2d`, `batch_norm`, `layer_norm`, `embedding`) left out | {} |
 /// | TokenReduction | tokens | how Linear modules reduce 3-D inputs | none |
 /// | long | accumulation_steps | k: each precondition() follows k micro-batches whose losses were each divided by k (PyTorch's gradient-accumulation recipe); output gradients are multiplied by k so that G is the per-sample factor, as for the one batch of all k micro-batches | 1 |
 /// | optional<MpiComm> | mpi | (builds with MPI) distribute kfac's work over these ranks | unset: serial |
@@ -111,7 +113,7 @@ namespace impl {
 /// The wording of the C++ front end in the shared core's messages.
 inline const TorchFrontEnd& cpp_front_end() {
   static const TorchFrontEnd f{
-      "TorchPreconditioner", "torch::nn::Linear, Conv2d, BatchNorm2d or LayerNorm",
+      "TorchPreconditioner", "torch::nn::Linear, Conv2d, BatchNorm2d, LayerNorm or Embedding",
       "add it to TorchOptions::with_skip to leave it to the optimizer alone", "TorchOptions::accumulation_steps",
       "its forward was not called through kfac::adapters::observed() in training mode with autograd on",
       "state how tokens reduce with TorchOptions::with_token_reduction(TokenReduction::expand or ::reduce)"};
@@ -162,7 +164,7 @@ namespace adapters {
 template <class ModuleRef>
 at::Tensor observed(ModuleRef& module, const at::Tensor& x);
 
-/// \brief K-FAC for the Linear, Conv2d, BatchNorm2d and LayerNorm modules of a LibTorch model (CPU).
+/// \brief K-FAC for the Linear, Conv2d, BatchNorm2d, LayerNorm and Embedding modules of a LibTorch model (CPU).
 /// Under MPI (TorchOptions::with_mpi) every rank builds one from the same model and calls
 /// precondition() at every step; a check that fails on one rank fails on all.
 /// See the file description for the protocol; docs/torch.md for the whole page.

@@ -26,7 +26,7 @@
 namespace kfac {
 namespace impl {
 
-enum class TorchKind { dense, conv2d, batch_norm, layer_norm };
+enum class TorchKind { dense, conv2d, batch_norm, layer_norm, embedding };
 
 /// \brief The scalar types of a module's factors and decompositions (kfac::Precision<F, D>).
 enum class TorchPrecision {
@@ -40,10 +40,13 @@ enum class TorchPrecision {
 
 /// \brief The method a Linear or Conv2d module gets, with its settings: K-FAC with one of its
 /// inversions (KFAC<Symmetric, Inversion, Prec>) or NG-SGD (which keeps its estimates in the
-/// Scalar: `precision` is not read). BatchNorm2d modules get UnitWiseFisher<UnitWise, Prec>.
+/// Scalar: `precision` is not read). BatchNorm2d and LayerNorm modules get UnitWiseFisher<UnitWise,
+/// Prec>; Embedding modules EmbeddingFisher<Symmetric, or Diagonal with `diagonal`, Eigendecomposition<>,
+/// Prec>, whose G is decomposed with the settings of the Eigendecomposition<> alternative.
 struct TorchMethod {
   std::variant<Eigendecomposition<>, Cholesky<>, NewtonSchulz, RandomizedEigen<>, NGSGD> method;
   TorchPrecision precision = TorchPrecision::scalar;
+  bool diagonal = false;  ///< Embedding: keep only diag(G) (EmbeddingFisher<Diagonal>)
 };
 
 /// \brief The wording of one front end in the core's error messages.
@@ -58,14 +61,14 @@ struct TorchFrontEnd {
 
 /// \brief One module that owns parameters, as a front end found it.
 struct TorchModuleSpec {
-  enum class Type { linear, conv2d, batch_norm, layer_norm, other };
+  enum class Type { linear, conv2d, batch_norm, layer_norm, embedding, other };
   std::string name;       ///< path in the model ("features.0"; "root" for the model itself)
   std::string type_name;  ///< the type as the front end spells it ("torch::nn::Conv2d", "torch.nn.Conv2d")
   Type type = Type::other;
   bool skipped = false;     ///< left out by the front end: matched by its skip list, or `skip_reason`
   std::string skip_reason;  ///< why, when not the skip list (listed by skipped())
   bool all_frozen = false;  ///< every parameter it owns has requires_grad = false
-  TorchMethod method;  ///< Linear, Conv2d: the method; BatchNorm2d: its precision only
+  TorchMethod method;  ///< Linear, Conv2d, Embedding: the method; BatchNorm2d, LayerNorm: its precision only
   Conv2d::FactorScaling conv_scaling = Conv2d::FactorScaling::kfc;  ///< Conv2d: KFC's or kfac-pytorch's factors
   at::Tensor weight, bias;  ///< undefined when absent
   int64_t in_features = 0, out_features = 0;                      ///< Linear
@@ -76,6 +79,10 @@ struct TorchModuleSpec {
   int64_t num_features = 0;    ///< BatchNorm2d; LayerNorm: the size of its last normalized dimension
   int64_t normalized_dims = 1;  ///< LayerNorm: the dimensions it normalizes over (kfac: the last one)
   double eps = 1e-5;
+  int64_t num_embeddings = 0, embedding_dim = 0;  ///< Embedding
+  std::optional<int64_t> padding_idx;            ///< Embedding: as the module holds it (negative: from the end)
+  bool sparse = false;                            ///< Embedding: sparse gradients (refused)
+  bool scale_grad_by_freq = false;                ///< Embedding: rows' gradients divided by their counts (refused)
 };
 
 /// What a front end records for one registered module between two precondition() calls.
@@ -190,13 +197,24 @@ inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x) 
       const at::Tensor xhat = (xd - mean) * torch::rsqrt(var + c.bn_eps);
       return xd.dim() == 2 ? xhat : torch_tokens(c, xhat);
     }
+    case TorchKind::embedding: {
+      if (!c10::isIntegralType(xd.scalar_type(), /*includeBool=*/false))
+        throw Error(c.name, std::string("input of dtype ") + c10::toString(xd.scalar_type()) +
+                                "; an Embedding's input is integer token ids");
+      if (xd.dim() < 1)
+        throw Error(c.name, "input has shape (); kfac needs token ids of shape (batch) or (batch, tokens)");
+      // The ids as they are (the backend's Scalar at precondition()); tokens over several
+      // dimensions are one run of tokens per sample, as torch_tokens reshapes a Linear's.
+      return xd.dim() <= 2 ? xd : xd.reshape({xd.size(0), -1});
+    }
   }
   return xd;
 }
 
 /// The output gradient as kfac sees it, shaped like the call's input.
 inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g) {
-  const bool over_features = c.kind == TorchKind::dense || c.kind == TorchKind::layer_norm;
+  const bool over_features =
+      c.kind == TorchKind::dense || c.kind == TorchKind::layer_norm || c.kind == TorchKind::embedding;
   return over_features && g.dim() > 2 ? torch_tokens(c, g) : g;
 }
 
@@ -208,10 +226,11 @@ class TorchBackend {
   virtual void add(const std::string& name, const Conv2d& l, const TorchMethod& m) = 0;
   virtual void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) = 0;
   virtual void add(const std::string& name, const LayerNorm& l, TorchPrecision p) = 0;
+  virtual void add(const std::string& name, const Embedding& l, const TorchMethod& m) = 0;
   virtual bool wants_observations() const = 0;
   virtual bool wants_observations(const std::string& name) const = 0;
   virtual bool is_skipped(const std::string& name) const = 0;
-  /// Tensors contiguous, of the backend's dtype, rank 2, 3 or 4.
+  /// Tensors contiguous, of the backend's dtype, rank 1 (an Embedding's ids), 2, 3 or 4.
   virtual void observe(const std::string& name, const at::Tensor& x, const at::Tensor& g) = 0;
   /// `b` undefined for a layer without bias.
   virtual void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) = 0;
@@ -232,8 +251,9 @@ using TorchExec = Kokkos::DefaultHostExecutionSpace;
 
 /// \brief The methods a backend can build. Each (method, precision) pair is a block type the
 /// backend's translation unit compiles (about 50 per Scalar for `all`), so a front end that
-/// offers no choice of method builds `default_only`: K-FAC with eigendecompositions and
-/// BatchNorm's or LayerNorm's unit-wise Fisher, in the parameters' precision.
+/// offers no choice of method builds `default_only`: K-FAC with eigendecompositions,
+/// BatchNorm's or LayerNorm's unit-wise Fisher and Embedding's EmbeddingFisher<>, in the
+/// parameters' precision.
 enum class TorchMethods { all, default_only };
 
 template <class Scalar, class Comm, TorchMethods Set = TorchMethods::all>
@@ -249,6 +269,7 @@ class TorchBackendOf final : public TorchBackend {
   void add(const std::string& name, const Conv2d& l, const TorchMethod& m) override { add_kronecker(name, l, m); }
   void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
   void add(const std::string& name, const LayerNorm& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
+  void add(const std::string& name, const Embedding& l, const TorchMethod& m) override { add_embedding(name, l, m); }
   bool wants_observations() const override { return pre_.wants_observations(); }
   bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
   bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
@@ -283,13 +304,14 @@ class TorchBackendOf final : public TorchBackend {
   preconditioner_type& preconditioner() { return pre_; }
 
  private:
-  /// Calls `f` with a read-only view of an observation of rank 2, 3 or 4.
+  /// Calls `f` with a read-only view of an observation of rank 1, 2, 3 or 4.
   template <class F>
   static void with_view(const at::Tensor& t, F&& f) {
     const Scalar* p = t.data_ptr<Scalar>();
     if (t.dim() == 4) f(adapters::from_raw(p, n(t, 0), n(t, 1), n(t, 2), n(t, 3)));
     else if (t.dim() == 3) f(adapters::from_raw(p, n(t, 0), n(t, 1), n(t, 2)));
-    else f(adapters::from_raw(p, n(t, 0), n(t, 1)));
+    else if (t.dim() == 2) f(adapters::from_raw(p, n(t, 0), n(t, 1)));
+    else f(adapters::from_raw(p, n(t, 0)));
   }
   /// Calls `f` with the Precision<F, D> that `p` names (the Scalar's for TorchPrecision::scalar).
   template <class F>
@@ -315,6 +337,25 @@ class TorchBackendOf final : public TorchBackend {
           throw Error(name, std::string(Layer::kind) +
                                 ": half-precision factors are for Kronecker layers; store it in float or double");
         else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
+      });
+    }
+  }
+  /// EmbeddingFisher<Symmetric or Diagonal, Eigendecomposition<>, P> in the precision `m` names,
+  /// G decomposed with the settings of `m`'s Eigendecomposition<> (the only method an Embedding
+  /// has); default_only: EmbeddingFisher<> in the parameters' precision.
+  void add_embedding(const std::string& name, const Embedding& l, const TorchMethod& m) {
+    const auto* eigen = std::get_if<Eigendecomposition<>>(&m.method);
+    if (!eigen) throw Error(name, "embedding: its method is EmbeddingFisher (G's eigendecomposition), not another one");
+    if constexpr (Set == TorchMethods::default_only) {
+      if (m.diagonal || m.precision != TorchPrecision::scalar) throw Error(name, not_offered(Embedding::kind));
+      pre_.register_layer(name, l, EmbeddingFisher<Symmetric, Eigendecomposition<>, Precision<Scalar>>{*eigen});
+    } else {
+      with_precision(m.precision, [&](auto prec) {
+        using P = decltype(prec);
+        if constexpr (std::is_same<typename P::factor_type, Half>::value)
+          throw Error(name, "embedding: half-precision factors are for Kronecker layers; store it in float or double");
+        else if (m.diagonal) pre_.register_layer(name, l, EmbeddingFisher<Diagonal, Eigendecomposition<>, P>{*eigen});
+        else pre_.register_layer(name, l, EmbeddingFisher<Symmetric, Eigendecomposition<>, P>{*eigen});
       });
     }
   }
@@ -406,6 +447,7 @@ struct TorchTranslation {
   std::optional<Conv2d> conv;
   std::optional<BatchNorm2d> bn;
   std::optional<LayerNorm> ln;
+  std::optional<Embedding> emb;
 };
 
 inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s, const TorchFrontEnd& front,
@@ -456,6 +498,39 @@ inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s,
       t.kind = TorchKind::layer_norm;
       t.ln.emplace(index_t(s.num_features), s.bias.defined());
       return t;
+    case TorchModuleSpec::Type::embedding: {
+      // max_norm is accepted: the module renormalizes the rows it looks up in place, outside
+      // autograd, before the lookup, so the weight's gradient is the plain lookup's, the one
+      // kfac's factors describe.
+      const int64_t vocabulary = s.num_embeddings;
+      if (s.sparse) {
+        problem = std::string("sparse gradients (its sparse option): kfac preconditions a dense weight gradient; turn "
+                              "sparse off, or ") + front.skip_hint;
+        return std::nullopt;
+      }
+      if (s.scale_grad_by_freq) {
+        problem = std::string("scale_grad_by_freq divides each row's gradient by its id's count in the batch, which "
+                              "kfac's factors do not describe; turn it off, or ") + front.skip_hint;
+        return std::nullopt;
+      }
+      if (vocabulary < 1 || s.embedding_dim < 1) {
+        problem = "has shape (" + std::to_string(vocabulary) + ", " + std::to_string(s.embedding_dim) +
+                  "); kfac needs at least one id and one dimension";
+        return std::nullopt;
+      }
+      t.kind = TorchKind::embedding;
+      t.emb.emplace(index_t(vocabulary), index_t(s.embedding_dim));
+      if (s.padding_idx) {
+        const int64_t p = *s.padding_idx < 0 ? *s.padding_idx + vocabulary : *s.padding_idx;
+        if (p < 0 || p >= vocabulary) {
+          problem = "padding_idx " + std::to_string(*s.padding_idx) + " is outside its " + std::to_string(vocabulary) +
+                    " ids";
+          return std::nullopt;
+        }
+        t.emb->with_padding_index(index_t(p));
+      }
+      return t;
+    }
     case TorchModuleSpec::Type::other: break;
   }
   problem = std::string("owns parameters but kfac has no layer type for it (supported: ") + front.types + "); " +
@@ -474,6 +549,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     TorchTranslation layer;
   };
   std::vector<Found> found;
+  std::vector<std::pair<const void*, std::string>> owners;  // parameter memory -> the module registering it
   std::vector<ModuleProblem> problems;
   for (const TorchModuleSpec& s : specs) {
     if (s.skipped) {
@@ -511,12 +587,30 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
       else if (p->defined()) dtype_ = p->scalar_type();
       if (!why.empty()) break;
     }
+    // Tied weights (an Embedding's weight reused by the head): each module would precondition the
+    // one gradient in place for its own factors.
+    for (const at::Tensor* p : {&s.weight, &s.bias})
+      for (const auto& [memory, owner] : owners)
+        if (why.empty() && p->defined() && p->data_ptr() != nullptr && p->data_ptr() == memory)
+          why = std::string("its ") + (p == &s.weight ? "weight" : "bias") + " is also a parameter of '" + owner +
+                "' (tied weights): kfac preconditions each module's gradient for its own factors; " + front.skip_hint;
     if (!why.empty()) {
       problem(why);
       continue;
     }
+    for (const at::Tensor* p : {&s.weight, &s.bias})
+      if (p->defined() && p->data_ptr() != nullptr) owners.emplace_back(p->data_ptr(), s.name);
     found.push_back({&s, std::move(*t)});
   }
+  // Token ids reach kfac as the Scalar's values: a float holds every integer only up to 2^24.
+  constexpr int64_t exact_float_ids = int64_t(1) << 24;
+  for (const Found& f : found)
+    if (f.layer.emb && dtype_ == at::kFloat && f.spec->num_embeddings > exact_float_ids)
+      problems.push_back({f.spec->name, "(" + f.spec->type_name + ") a vocabulary of " +
+                                            std::to_string(f.spec->num_embeddings) +
+                                            " ids with float32 parameters: kfac reads token ids as float32, exact "
+                                            "only up to 2^24 = 16777216; use float64 parameters, or " +
+                                            front.skip_hint});
   throw_module_problems(problems, "modules kfac cannot handle");
   if (found.empty())
     throw Error("", std::string("the model has no ") + front.types + " module to precondition");
@@ -530,6 +624,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
                     s.method);
     else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method);
     else if (f.layer.ln) backend_->add(s.name, *f.layer.ln, s.method.precision);
+    else if (f.layer.emb) backend_->add(s.name, *f.layer.emb, s.method);
     else backend_->add(s.name, *f.layer.bn, s.method.precision);
     auto capture = std::make_shared<TorchCapture>();
     capture->name = s.name;

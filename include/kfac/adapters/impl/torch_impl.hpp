@@ -96,6 +96,15 @@ inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, 
       s.eps = n->options.eps();
       s.weight = n->weight;
       s.bias = n->bias;
+    } else if (const auto* e = m.as<torch::nn::Embedding>()) {
+      const auto& o = e->options;
+      s.type = impl::TorchModuleSpec::Type::embedding;
+      s.num_embeddings = o.num_embeddings();
+      s.embedding_dim = o.embedding_dim();
+      if (o.padding_idx()) s.padding_idx = *o.padding_idx();
+      s.sparse = o.sparse();
+      s.scale_grad_by_freq = o.scale_grad_by_freq();
+      s.weight = e->weight;
     }
     specs.push_back(std::move(s));
     modules.push_back(&m);
@@ -138,7 +147,8 @@ inline bool TorchPreconditioner::is_skipped(const std::string& name, const torch
   const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
   const char* kind = m.as<torch::nn::Linear>() ? Dense::kind : m.as<torch::nn::Conv2d>() ? Conv2d::kind
                      : m.as<torch::nn::BatchNorm2d>() ? BatchNorm2d::kind
-                     : m.as<torch::nn::LayerNorm>() ? LayerNorm::kind : "";
+                     : m.as<torch::nn::LayerNorm>() ? LayerNorm::kind
+                     : m.as<torch::nn::Embedding>() ? Embedding::kind : "";
   for (const auto& s : torch_options_.skip)
     if (impl::glob_match(s.c_str(), name.c_str()) || s == type || s == type + "Impl" || s == short_type || s == kind)
       return true;
