@@ -1,5 +1,6 @@
 # Fails when a header under include/kfac is not named in docs/design.md's "## Layout" section
-# (as `name.hpp` in its folder's row, or `folder/name.hpp`). Usage:
+# (as `name.hpp` in its folder's row, or `folder/name.hpp`), or when a header under core/ includes
+# one from a folder above it (only core/, impl/, linalg/, error.hpp and config.hpp are below). Usage:
 #   cmake -DSOURCE_DIR=<repo> -P tests/check_layout.cmake
 file(READ "${SOURCE_DIR}/docs/design.md" design)
 string(FIND "${design}" "## Layout" begin)
@@ -35,9 +36,24 @@ foreach(h IN LISTS headers)
     list(APPEND missing "${h}")
   endif()
 endforeach()
+set(upward "")
+foreach(h IN LISTS headers)
+  if(h MATCHES "^core/")
+    file(STRINGS "${SOURCE_DIR}/include/kfac/${h}" includes REGEX "^#include [\"<]kfac/")
+    foreach(line IN LISTS includes)
+      if(NOT line MATCHES "kfac/(core|impl|linalg)/" AND NOT line MATCHES "kfac/(error|config)\\.hpp")
+        list(APPEND upward "${h}: ${line}")
+      endif()
+    endforeach()
+  endif()
+endforeach()
+if(upward)
+  string(REPLACE ";" "\n  " upward "${upward}")
+  message(FATAL_ERROR "core/ looks only down (docs/design.md), but:\n  ${upward}")
+endif()
 list(LENGTH headers n)
 if(missing)
   string(REPLACE ";" "\n  " missing "${missing}")
   message(FATAL_ERROR "docs/design.md's layout table does not name:\n  ${missing}")
 endif()
-message(STATUS "design_layout: all ${n} headers under include/kfac are in docs/design.md's layout table")
+message(STATUS "design_layout: all ${n} headers under include/kfac are in docs/design.md's layout table; core/ includes nothing above it")

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/comm_precision.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {

@@ -11,7 +11,7 @@
 
 #include "kfac/core/block.hpp"
 #include "kfac/error.hpp"
-#include "kfac/methods/method_settings.hpp"
+#include "kfac/core/method_settings.hpp"
 
 namespace kfac {
 namespace impl {

@@ -7,7 +7,7 @@
 #include <string>
 #include <type_traits>
 
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/comm_precision.hpp"
 
 namespace kfac {
 namespace impl {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "kfac/core/block.hpp"
-#include "kfac/distributed/bucketing.hpp"
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/bucketing.hpp"
+#include "kfac/core/comm_precision.hpp"
 #include "kfac/distributed/staging.hpp"
 #include "kfac/error.hpp"
 

@@ -27,7 +27,7 @@
 #include "kfac/core/half.hpp"
 #include "kfac/core/in_flight.hpp"
 #include "kfac/core/options.hpp"
-#include "kfac/distributed/bucketing.hpp"
+#include "kfac/core/bucketing.hpp"
 #include "kfac/distributed/staging.hpp"
 #include "kfac/distributed/work_assignment.hpp"
 #include "kfac/error.hpp"

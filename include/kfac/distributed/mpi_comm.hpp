@@ -31,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/comm_precision.hpp"
 #include "kfac/distributed/mpi_request.hpp"
 #include "kfac/distributed/watchdog.hpp"
 #include "kfac/core/hash.hpp"

@@ -13,7 +13,7 @@
 #include "kfac/core/agreement.hpp"
 #include "kfac/core/block.hpp"
 #include "kfac/distributed/bucketed_sum.hpp"
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/comm_precision.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {

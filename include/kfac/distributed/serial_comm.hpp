@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/comm_precision.hpp"
 
 namespace kfac {
 

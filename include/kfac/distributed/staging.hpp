@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/comm_precision.hpp"
 #include "kfac/impl/math.hpp"
 
 namespace kfac {

@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "kfac/distributed/comm_precision.hpp"
+#include "kfac/core/comm_precision.hpp"
 #include "kfac/error.hpp"
 #include "kfac/linalg/eigh.hpp"
 #include "kfac/linalg/gemm.hpp"

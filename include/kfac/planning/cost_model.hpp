@@ -39,7 +39,7 @@
 #include <utility>
 #include <vector>
 
-#include "kfac/distributed/bucketing.hpp"
+#include "kfac/core/bucketing.hpp"
 #include "kfac/distributed/kaisa.hpp"
 #include "kfac/distributed/work_assignment.hpp"
 #include "kfac/layers/conv2d.hpp"

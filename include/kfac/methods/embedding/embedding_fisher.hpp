@@ -13,7 +13,7 @@
 #include "kfac/methods/embedding/embedding_block.hpp"
 #include "kfac/methods/kfac/eigendecomposition.hpp"
 #include "kfac/methods/kfac/factors.hpp"
-#include "kfac/methods/method_settings.hpp"
+#include "kfac/core/method_settings.hpp"
 
 namespace kfac {
 namespace impl {

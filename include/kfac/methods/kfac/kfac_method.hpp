@@ -17,7 +17,7 @@
 #include "kfac/methods/kfac/kronecker_block.hpp"
 #include "kfac/methods/kfac/newton_schulz.hpp"
 #include "kfac/methods/kfac/randomized_eigen.hpp"
-#include "kfac/methods/method_settings.hpp"
+#include "kfac/core/method_settings.hpp"
 
 namespace kfac {
 

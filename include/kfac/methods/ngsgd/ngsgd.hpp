@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-#include "kfac/methods/method_settings.hpp"
+#include "kfac/core/method_settings.hpp"
 #include "kfac/methods/ngsgd/ngsgd_block.hpp"
 
 namespace kfac {

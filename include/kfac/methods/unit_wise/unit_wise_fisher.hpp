@@ -7,7 +7,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "kfac/methods/method_settings.hpp"
+#include "kfac/core/method_settings.hpp"
 #include "kfac/methods/unit_wise/batch_norm_block.hpp"
 
 namespace kfac {
