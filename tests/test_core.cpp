@@ -292,6 +292,22 @@ TEST_CASE("inversion settings travel with the method object", "[core][inversion]
   CHECK_THROWS_AS(kfac::NewtonSchulz{}.with_max_iterations(0), kfac::Error);
 }
 
+TEST_CASE("a method object without per-layer overrides registers and follows Options", "[core][toy]") {
+  static_assert(kfac::is_method_v<BareScaledIdentity>);
+  auto opts = core_options();
+  Pre bare(opts), based(opts);
+  for (Pre* p : {&bare, &based}) p->register_layer("fc", kfac::Dense(3, 2), kfac::KFAC<>{});
+  bare.register_layer("toy", kfac::Dense(4, 3), BareScaledIdentity{});
+  based.register_layer("toy", kfac::Dense(4, 3), ScaledIdentity{});
+  const auto a = run(bare, 0, 6), b = run(based, 0, 6);
+  for (std::size_t s = 0; s < a.size(); ++s) CHECK(bit_equal(a[s], b[s]));
+  // ... and an override on the based one changes its results, so the comparison can fail.
+  Pre damped(opts);
+  damped.register_layer("fc", kfac::Dense(3, 2), kfac::KFAC<>{});
+  damped.register_layer("toy", kfac::Dense(4, 3), ScaledIdentity{}.with_damping(0.5));
+  CHECK_FALSE(bit_equal(run(damped, 0, 6).back(), a.back()));
+}
+
 TEST_CASE("type traits recognize the library's and the user's types", "[core][traits]") {
   static_assert(kfac::is_method_v<kfac::KFAC<>>);
   static_assert(kfac::is_method_v<kfac::UnitWiseFisher<>>);

@@ -126,8 +126,9 @@ class ScaledIdentityBlock final : public DenseToyBlock<Scalar, Exec> {
   Inverse inverse_{*this};
 };
 
-/// \brief The toy method object: V = X / (s + damping).
-struct ScaledIdentity : kfac::impl::LayerOverrides<ScaledIdentity> {
+/// \brief The toy method object: V = X / (s + damping), written as the smallest method object
+/// (no per-layer overrides: its layers follow the Preconditioner's Options).
+struct BareScaledIdentity {
   using method_tag = void;
   static constexpr const char* name = "scaled_identity";
   template <class L>
@@ -137,6 +138,9 @@ struct ScaledIdentity : kfac::impl::LayerOverrides<ScaledIdentity> {
     return std::make_unique<ScaledIdentityBlock<Scalar, Exec>>(n, layer);
   }
 };
+
+/// \brief The toy method with per-layer overrides (with_damping and the like).
+struct ScaledIdentity : BareScaledIdentity, kfac::impl::LayerOverrides<ScaledIdentity> {};
 
 template <class Exec = Kokkos::DefaultHostExecutionSpace>
 using ToyBlock = ScaledIdentityBlock<double, Exec>;

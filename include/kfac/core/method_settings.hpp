@@ -70,6 +70,13 @@ struct LayerOverrides {
 /// The overrides of any method, as the Preconditioner keeps them per layer.
 struct Overrides : LayerOverrides<Overrides> {};
 
+/// A method object derived from LayerOverrides<Method> carries per-layer overrides; any other
+/// method object (the smallest one a user writes: method_tag, name, accepts, make_block) has none,
+/// and its layers follow the Preconditioner's Options.
+template <class Method, std::enable_if_t<!std::is_base_of<LayerOverrides<Method>, Method>::value, int> = 0>
+Overrides overrides_of(const Method&) {
+  return {};
+}
 template <class Method>
 Overrides overrides_of(const LayerOverrides<Method>& m) {
   Overrides o;
