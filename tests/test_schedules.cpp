@@ -94,6 +94,40 @@ TEST_CASE("constant intervals given as constants", "[schedule]") {
   CHECK(pre.last_decomposition_step() == 6);
 }
 
+TEST_CASE("set_step_count moves the counter, and every layer is due at the next step", "[schedule][set_step]") {
+  const auto damping = [](long s) { return s >= 100 ? 0.5 : 0.01; };
+  Pre pre(plain_options().with_factor_update_steps(5).with_inv_update_steps(7).with_damping(damping)
+              .with_kl_clip(0.0).with_loss_reduction(kfac::LossReduction::sum));
+  pre.register_layer<kfac::Dense>("fc", kfac::Dense(3, 2));
+  Rng rng(41);
+  for (int s = 0; s < 3; ++s) {
+    const DenseBatch d(3, 2, true, 4, rng);
+    d.feed(pre, "fc");
+    pre.step();
+  }
+  CHECK_FALSE(pre.wants_observations());
+  CHECK_FALSE(pre.will_decompose());
+  CHECK_THROWS_AS(pre.set_step_count(-1), kfac::Error);
+  CHECK(pre.step_count() == 3);
+  pre.set_step_count(100);
+  CHECK(pre.step_count() == 100);
+  CHECK(pre.wants_observations());
+  CHECK(pre.will_decompose());
+  const DenseBatch d(3, 2, true, 4, rng);
+  const MatrixXd gradient = d.gradient();
+  d.feed(pre, "fc");
+  pre.step();
+  CHECK(pre.last_factor_step() == 100);
+  CHECK(pre.last_decomposition_step() == 100);
+  const auto& layer = pre.layer_as<DenseLayer>("fc");
+  // The solve with the factors just updated and the damping of step 100, not step 3's.
+  const MatrixXd expect = dense_kronecker_solve(symmetric_from_upper(layer.factor_a()),
+                                                symmetric_from_upper(layer.factor_g()), gradient, 0.5);
+  CHECK(rel_err(d.gradient(), expect) < 1e-10);
+  CHECK(pre.step_count() == 101);
+  CHECK_FALSE(pre.wants_observations());  // the next statistics at 100 + 5
+}
+
 TEST_CASE("intervals as functions of the step, incl. stale_fisher", "[schedule][stale_fisher]") {
   const auto stale = kfac::schedules::stale_fisher(1, 8, 4);
   for (long s = 0; s < 30; ++s) {

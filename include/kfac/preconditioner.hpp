@@ -94,15 +94,18 @@ class Preconditioner {
       if (e.block->name() == name) throw Error(name, "a layer with this name is already registered");
     allocating(name, "register_layer", [&] { add_entry(name, layer, method); });
     // The new layer gets statistics and a decomposition at the next step, and so does every
-    // layer (the work assignment changes, and ranks must agree on what is due): at once, and
-    // in-flight decompositions are dropped.
-    for (auto& e : reg_.entries()) {
-      e.schedule.next_factor = std::min(e.schedule.next_factor, step_);
-      e.schedule.next_inv = std::min(e.schedule.next_inv, step_);
-    }
-    in_flight_.drop_all();
+    // layer (the work assignment changes, and ranks must agree on what is due).
+    everything_due_at(step_);
     registration_checked_ = false;
-    fresh_ = true;
+  }
+  /// \brief Sets the step counter, e.g. to a host's own count after restoring its checkpoint
+  /// without kfac's: hyperparameters given as functions of the step read `step` next, and every
+  /// layer takes statistics and a decomposition at the next step(), as after register_layer.
+  /// Every rank must set the same (step() checks that the ranks agree on the step).
+  void set_step_count(long step) {
+    if (step < 0) throw Error("", "set_step_count: expected a step >= 0, got " + std::to_string(step));
+    step_ = step;
+    everything_due_at(step);
   }
   /// Adds the block (public only for nvcc, which compiles kernels of the blocks it makes).
   template <class LayerType, class Method>
@@ -336,6 +339,16 @@ class Preconditioner {
     StepValues::at(options_, 0);  // reject bad constants at construction
   }
 
+  /// Statistics and a decomposition for every layer at `step` at the latest; decompositions in
+  /// flight are dropped, and the next ones run at once.
+  void everything_due_at(long step) {
+    for (auto& e : reg_.entries()) {
+      e.schedule.next_factor = std::min(e.schedule.next_factor, step);
+      e.schedule.next_inv = std::min(e.schedule.next_inv, step);
+    }
+    in_flight_.drop_all();
+    fresh_ = true;
+  }
   /// Runs `f`, which may allocate the layer's memory: a failed allocation (Kokkos throws
   /// std::bad_alloc in 3.4, std::runtime_error in 4.x) becomes a kfac::Error naming the layer.
   template <class F>

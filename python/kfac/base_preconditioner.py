@@ -88,23 +88,23 @@ class BaseKFACPreconditioner:
     # ---- kfac-pytorch's hyperparameter views: `damping` (its value now) and `_damping` (as given),
     # ---- and so on for each of HYPERPARAMETERS, are added below the class ------------------------
 
+    def _set_steps(self, value: int) -> None:
+        """Sets the step counter (the C++ core's, with the schedule it drives)."""
+        raise NotImplementedError
+
     @property
     def _steps(self) -> int:
-        """kfac-pytorch's private step counter, read only here: kfac's counter belongs to the C++
-        core together with the schedule it drives (when statistics and decompositions are next
-        due), so it moves only by step() or by load_state_dict() of a state with kfac's
-        checkpoint."""
+        """kfac-pytorch's private step counter: the C++ core's. Assigning it sets the core's
+        counter: hyperparameters that are callables read the new step, and every module takes
+        statistics and a decomposition at the next step()."""
         return self.steps
 
     @_steps.setter
     def _steps(self, value: int) -> None:
-        if value == self.steps:
-            return
-        raise AttributeError(
-            f"kfac's step counter ({self.steps}) cannot be set to {value}: it lives in the C++ core with "
-            'the schedule it drives; it moves by step() and by load_state_dict() of a state_dict() with '
-            "kfac's checkpoint",
-        )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f'_steps: expected an int >= 0, got {value!r}')
+        if value != self.steps:
+            self._set_steps(value)
 
     # ---- kfac-pytorch's methods kfac has no counterpart for ------------------------------------
 

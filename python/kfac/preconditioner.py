@@ -557,8 +557,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     @property
     def steps(self) -> int:
-        """The number of step() calls so far."""
+        """The number of step() calls so far (or the count assigned to _steps)."""
         return self._core.step_count()
+
+    def _set_steps(self, value: int) -> None:
+        self._core.set_step_count(value)
 
     # damping, factor_decay, kl_clip, lr, factor_update_steps, inv_update_steps (the value at the
     # current step) and their private spellings come from BaseKFACPreconditioner.

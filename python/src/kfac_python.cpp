@@ -486,6 +486,7 @@ PYBIND11_MODULE(_kfac, m) {
       .def("frozen", [](const PyPreconditioner& p) { return p.core().frozen(); })
       .def("dtype", [](const PyPreconditioner& p) { return std::string(c10::toString(p.core().dtype())); })
       .def("step_count", [](const PyPreconditioner& p) { return p.core().backend().step_count(); })
+      .def("set_step_count", [](PyPreconditioner& p, long step) { p.core().backend().set_step_count(step); })
       .def("last_kl_scale", [](const PyPreconditioner& p) { return p.core().backend().last_kl_scale(); })
       .def("distribution",
            [](const PyPreconditioner& p) {

@@ -58,9 +58,14 @@ def test_preconditioner_is_a_base_preconditioner_with_its_views() -> None:
     model = p.model
     _step(model, p)
     assert p._steps == p.steps == 1 and p.damping == pytest.approx(0.2)
-    with pytest.raises(AttributeError, match='step counter'):
-        p._steps = 5
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match='_steps'):
+            p._steps = bad
     assert p.steps == 1
+    p._steps = 5  # the core's counter: a callable damping reads step 5, every module is due next
+    assert p.steps == p._steps == 5 and p.damping == pytest.approx(p._damping(5))
+    _step(model, p)
+    assert p.steps == 6
     with pytest.raises(NotImplementedError, match='kfac.KFACPreconditioner'):
         kfac.base_preconditioner.BaseKFACPreconditioner({}, assignment=None, tdc=None)
     with pytest.raises(NotImplementedError):

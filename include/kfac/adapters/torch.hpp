@@ -205,6 +205,8 @@ class TorchPreconditioner {
   /// \brief True when the next precondition() updates some module's statistics.
   bool wants_observations() const { return core_->backend().wants_observations(); }
   long step_count() const { return core_->backend().step_count(); }
+  /// Preconditioner::set_step_count: every module gets statistics and a decomposition next.
+  void set_step_count(long step) { core_->backend().set_step_count(step); }
   double last_kl_scale() const { return core_->backend().last_kl_scale(); }
   /// \brief The Preconditioner underneath, for checkpoints (save/load), memory reports and
   /// inspection. \throws kfac::Error when Scalar is not the parameters' dtype or Comm not the

@@ -236,6 +236,7 @@ class TorchBackend {
   virtual void set_gradient(const std::string& name, const at::Tensor& w, const at::Tensor& b) = 0;
   virtual void step() = 0;
   virtual long step_count() const = 0;
+  virtual void set_step_count(long step) = 0;
   virtual double last_kl_scale() const = 0;
   virtual const Options& options() const = 0;
   /// The KAISA policy object the Preconditioner was built with (its settings).
@@ -287,6 +288,7 @@ class TorchBackendOf final : public TorchBackend {
   }
   void step() override { pre_.step(); }
   long step_count() const override { return pre_.step_count(); }
+  void set_step_count(long step) override { pre_.set_step_count(step); }
   double last_kl_scale() const override { return pre_.last_kl_scale(); }
   const Options& options() const override { return pre_.options(); }
   const Kaisa& distribution() const override { return pre_.distribution(); }
