@@ -3,8 +3,9 @@
 // together compile every label the Serial suite compiles (scripts/kernel_labels.sh check). Each part drives one
 // area through the public API: FDG pipeline buffers, NG-SGD with parameter averaging, KAISA's reduced-precision
 // factor sums (blocking and overlapped), the portable Jacobi and Cholesky solvers, packed symmetric factors, Conv2d
-// output-gradient rows, Dense over tokens, LayerNorm and Embedding, the randomized eigensolver, the Eigen adapter's
-// copies and the cost model. The preconditioner parts run on Kokkos::DefaultExecutionSpace and, where that is a
+// output-gradient rows, Dense over tokens, LayerNorm, Embedding and the diagonal Fisher, the randomized eigensolver,
+// the Eigen adapter's copies and the cost model. The preconditioner parts run on Kokkos::DefaultExecutionSpace and,
+// where that is a
 // device, on the host space as well (its LAPACK paths). Nothing here launches a kernel of its own: data is filled
 // on the host and copied.
 // Serial builds also run it, at 1 and 2 MPI ranks; it checks shapes only, and prints "kernel_coverage: ok".
@@ -198,6 +199,7 @@ void sequence_layers(const kfac::MpiComm& comm) {
   pre.register_layer("norm", kfac::LayerNorm(4));
   pre.register_layer("tok", kfac::Embedding(6, 4).with_padding_index(0));
   pre.register_layer("tok_diag", kfac::Embedding(6, 4), kfac::EmbeddingFisher<kfac::Diagonal>{});
+  pre.register_layer("param", kfac::Parameter(6, 4));  // the diagonal Fisher's square, update and solve
   V2<Space> ids("kernel_coverage::ids", kBatch, 5);  // valid ids, from the host
   const auto host_ids = Kokkos::create_mirror_view(ids);
   for (std::size_t i = 0; i < host_ids.span(); ++i) host_ids.data()[i] = double((i + std::size_t(comm.rank())) % 6);
@@ -222,6 +224,9 @@ void sequence_layers(const kfac::MpiComm& comm) {
       kept.m.push_back(filled<V2<Space>>(data, 6, 4));
       pre.set_gradient(name, kept.m.back());
     }
+    pre.observe_output_grad("param", filled<V1<Space>>(data, kBatch));
+    kept.m.push_back(filled<V2<Space>>(data, 6, 4));
+    pre.set_gradient("param", kept.m.back());
     pre.step();
   }
   require(pre.step_count() == 2, "two steps of the sequence layers");

@@ -13,6 +13,11 @@ DIR/<workload>_time.svg (the best runs' metric against steps and against seconds
 `target ...: MET | MISSED by x | NOT MEASURED (why)` line per target:
 - ViT: K-FAC reaches AdamW's best test accuracy in <= 0.6x AdamW's steps and <= 0.85x its time;
 - GPT: K-FAC reaches AdamW's final validation loss in <= 0.7x its steps and <= 0.9x its time;
+- LM (`--workloads lm`, kfac-pytorch's language-model architecture: an nn.Embedding, a sinusoidal
+  positional encoding, an nn.TransformerEncoder and a Linear decoder, ~0.6M parameters, on the same
+  text): trained under kfac-pytorch's default conventions (`kfac-pytorch`: its Linears; the attention
+  and embedding left to the optimizer) and under conventions='kfac' with fallback='diagonal'
+  (`kfac-fallback`: every parameter preconditioned), against AdamW, with the GPT's target;
 each on every seed, the best learning rate of each optimizer (the best final metric, averaged over
 the seeds) against the best of the other. Times are training seconds (evaluation excluded), two
 threads (--threads). K-FAC: factors every 3 steps, decompositions every 15, damping 0.003, KL clip
@@ -145,6 +150,41 @@ class GPT(torch.nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
+class PositionalEncoding(torch.nn.Module):
+    """Fixed sinusoidal positions added to the embeddings (no parameters)."""
+
+    def __init__(self, dim: int, context: int) -> None:
+        super().__init__()
+        position = torch.arange(context).unsqueeze(1)
+        rate = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
+        table = torch.zeros(context, dim)
+        table[:, 0::2] = torch.sin(position * rate)
+        table[:, 1::2] = torch.cos(position * rate)
+        self.register_buffer('table', table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table[: x.shape[1]]
+
+
+class TransformerLM(torch.nn.Module):
+    """kfac-pytorch's language-model architecture, from its description: an nn.Embedding scaled by
+    sqrt(dim), positional encoding, a causal nn.TransformerEncoder, a Linear decoder."""
+
+    def __init__(self, vocabulary: int, context: int, dim: int = 128, depth: int = 3, heads: int = 4) -> None:
+        super().__init__()
+        self.dim = dim
+        self.embedding = torch.nn.Embedding(vocabulary, dim)
+        self.positions = PositionalEncoding(dim, context)
+        layer = torch.nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, depth)
+        self.decoder = torch.nn.Linear(dim, vocabulary)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        mask = torch.triu(torch.full((t, t), float('-inf')), diagonal=1)
+        return self.decoder(self.encoder(self.positions(self.embedding(ids) * math.sqrt(self.dim)), mask))
+
+
 # ---- one run ------------------------------------------------------------------------------------------------------
 
 class Workload:
@@ -168,6 +208,8 @@ class Workload:
             self.valid = torch.stack([self.valid_ids[s:s + self.context + 1] for s in starts.tolist()])
 
     def model(self) -> torch.nn.Module:
+        if self.name == 'lm':
+            return TransformerLM(self.vocabulary, self.context)
         return ViT() if self.name == 'vit' else GPT(self.vocabulary, self.context)
 
     def batch_loss(self, model: torch.nn.Module, g: torch.Generator) -> torch.Tensor:
@@ -204,9 +246,15 @@ def run(work: Workload, optimizer: str, lr: float, seed: int, steps: int, every:
         pre = None
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        pre = kfac.KFACPreconditioner(model, conventions='kfac', token_reduction=optimizer.split('-')[1],
-                                      factor_update_steps=3, inv_update_steps=15, damping=0.003, lr=lr,
-                                      kl_clip=0.001)
+        schedule = {'factor_update_steps': 3, 'inv_update_steps': 15, 'damping': 0.003, 'lr': lr, 'kl_clip': 0.001}
+        if optimizer == 'kfac-pytorch':  # kfac-pytorch's registration and conventions (the drop-in default)
+            pre = kfac.KFACPreconditioner(model, **schedule)
+        elif optimizer == 'kfac-fallback':  # kfac's, every parameter preconditioned
+            pre = kfac.KFACPreconditioner(model, conventions='kfac', fallback='diagonal', token_reduction='expand',
+                                          **schedule)
+        else:
+            pre = kfac.KFACPreconditioner(model, conventions='kfac', token_reduction=optimizer.split('-')[1],
+                                          **schedule)
     points = [(0, 0.0, work.evaluate(model))]
     seconds = 0.0
     for step in range(1, steps + 1):
@@ -265,7 +313,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--quick', action='store_true', help='one seed, two rates, short runs (under 5 minutes)')
     ap.add_argument('--smoke', action='store_true', help='4 steps of one rate each: that the script runs')
-    ap.add_argument('--workloads', default='vit,gpt')
+    ap.add_argument('--workloads', default='vit,gpt,lm')
     ap.add_argument('--out', default='results/transformers')
     ap.add_argument('--threads', type=int, default=2, help='torch threads (default 2, the 2-core machine)')
     args = ap.parse_args()
@@ -274,15 +322,21 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.smoke:  # the suite's check that the script runs (ctest benchmarks_transformer_smoke)
         seeds, rates, steps = [0], {'adamw': [1e-3], 'kfac-expand': [0.03], 'kfac-reduce': [0.03]}, {'vit': 4, 'gpt': 4}
+        steps['lm'] = 4
+        lm_rates = {'adamw': [1e-3], 'kfac-pytorch': [0.03], 'kfac-fallback': [0.03]}
     elif args.quick:
         seeds, rates = [0], {'adamw': [1e-3, 3e-3], 'kfac-expand': [0.03, 0.1], 'kfac-reduce': [0.03, 0.1]}
-        steps = {'vit': 60, 'gpt': 30}
+        steps = {'vit': 60, 'gpt': 30, 'lm': 30}
+        lm_rates = {'adamw': [1e-3, 3e-3], 'kfac-pytorch': [0.03, 0.1], 'kfac-fallback': [0.03, 0.1]}
     else:
         seeds = [0, 1, 2]
         rates = {'adamw': [5e-4, 1e-3, 2e-3, 4e-3], 'kfac-expand': [0.01, 0.03, 0.1, 0.3],
                  'kfac-reduce': [0.01, 0.03, 0.1, 0.3]}
-        steps = {'vit': 400, 'gpt': 300}
-    targets = {'vit': (0.6, 0.85), 'gpt': (0.7, 0.9)}
+        steps = {'vit': 400, 'gpt': 300, 'lm': 300}
+        lm_rates = {'adamw': [5e-4, 1e-3, 2e-3, 4e-3], 'kfac-pytorch': [0.01, 0.03, 0.1, 0.3],
+                    'kfac-fallback': [0.01, 0.03, 0.1, 0.3]}
+    targets = {'vit': (0.6, 0.85), 'gpt': (0.7, 0.9), 'lm': (0.7, 0.9)}
+    general_rates = rates
     rows = []
     summary = [f'# Transformer benchmark ({"quick" if args.quick else "full"}), {time.strftime("%Y-%m-%d %H:%M")}',
                f'seeds {seeds}, steps {steps}, {args.threads} threads; '
@@ -290,6 +344,7 @@ def main() -> None:
     lines = []
     for name in args.workloads.split(','):
         work = Workload(name, args.quick or args.smoke)
+        rates = lm_rates if name == 'lm' else general_rates
         every = max(1, steps[name] // 12)
         results: dict[tuple[str, float, int], list[tuple[int, float, float]]] = {}
         for opt, lrs in rates.items():
@@ -319,7 +374,7 @@ def main() -> None:
                       for opt in rates}
             svg(out / f'{name}_{label}.svg', curves, 'step' if axis == 0 else 'seconds', work.metric)
         max_steps, max_time = targets[name]
-        for opt in ('kfac-expand', 'kfac-reduce'):
+        for opt in (o for o in rates if o != 'adamw'):
             step_ratios, time_ratios, missing = [], [], []
             for seed in seeds:
                 adam = results[('adamw', best['adamw'], seed)]

@@ -82,7 +82,9 @@ class Preconditioner {
   /// `register_layer("fc1", Dense(784, 256), KFAC<Full, Cholesky<>>{}.with_damping(1e-2))`.
   template <class LayerType, class Method>
   void register_layer(const std::string& name, const LayerType& layer, const Method& method) {
-    static_assert(is_layer_type_v<LayerType>, "kfac::register_layer: the second argument must be a layer type (kfac::Dense, kfac::Conv2d, kfac::BatchNorm2d, kfac::LayerNorm)");
+    static_assert(is_layer_type_v<LayerType>,
+                  "kfac::register_layer: the second argument must be a layer type (kfac::Dense, kfac::Conv2d, "
+                  "kfac::BatchNorm2d, kfac::LayerNorm, kfac::Embedding, kfac::Parameter)");
     static_assert(is_method_v<Method>, "kfac::register_layer: the third argument must be a method object (kfac::KFAC<...>, kfac::UnitWiseFisher<...>)");
     static_assert(Method::template accepts<LayerType>, "kfac::register_layer: this method does not handle this layer type");
     try {  // the layer's own settings, checked now rather than at its first step()
@@ -411,7 +413,7 @@ class Preconditioner {
   /// may match none: "batch_norm" for a network without one); a misspelt name would otherwise
   /// leave its layer preconditioned silently.
   void check_skip_layers() const {
-    const char* const kinds[] = {Dense::kind, Conv2d::kind, BatchNorm2d::kind, LayerNorm::kind};
+    const char* const kinds[] = {Dense::kind, Conv2d::kind, BatchNorm2d::kind, LayerNorm::kind, Parameter::kind};
     std::string listed;
     for (const char* k : kinds) listed += (listed.empty() ? "" : ", ") + std::string(k);
     for (const auto& s : options_.skip_layers) {

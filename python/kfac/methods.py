@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     'Cholesky',
+    'DiagonalFisher',
     'EmbeddingFisher',
     'Eigen',
     'Method',
@@ -298,6 +299,28 @@ class EmbeddingFisher(_WithPrecision):
         _int('EmbeddingFisher', 'jacobi_sweeps', self.jacobi_sweeps, 1)
         _real('EmbeddingFisher', 'refresh_tolerance', self.refresh_tolerance, lambda v: 0 <= v < 1, 'in [0, 1)')
         _no_half_factors(self, "an Embedding's factors")
+        super().__post_init__()
+
+    def _core_spec(self, default_factor: Any, default_inv: Any, params: torch.dtype) -> dict[str, Any]:
+        """As UnitWiseFisher: a float16 default factor_dtype is for the Kronecker modules."""
+        return super()._core_spec(_no_half(default_factor), default_inv, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagonalFisher(_WithPrecision):
+    """The generic fallback: one parameter's damped diagonal Fisher, the running (sum_n g_n)^2 / N
+    from its batch gradient (kfac::DiagonalFisher<Prec>, docs/transformers.md). Any module with
+    parameters can be given it (conventions='kfac'): each of its parameters is then registered on
+    its own. KFACPreconditioner(fallback='diagonal') gives it to every module kfac has no layer
+    type for."""
+
+    kind: ClassVar[str] = 'diagonal_fisher'
+    cpp: ClassVar[str] = 'kfac::DiagonalFisher<Prec>'
+    modules: ClassVar[tuple[str, ...]] = ('parameter',)
+    applies_to: ClassVar[str] = 'any module with parameters'
+
+    def __post_init__(self) -> None:
+        _no_half_factors(self, 'the diagonal Fisher')
         super().__post_init__()
 
     def _core_spec(self, default_factor: Any, default_inv: Any, params: torch.dtype) -> dict[str, Any]:

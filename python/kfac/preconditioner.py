@@ -39,6 +39,28 @@ def _type_name(module: torch.nn.Module) -> str:
 
 
 _CONVENTIONS = ('kfac-pytorch', 'kfac')
+_FALLBACKS = (None, 'diagonal')
+
+
+def _sample_count(module: torch.nn.Module, inputs: tuple[Any, ...]) -> int | None:
+    """The batch of one call of a module whose parameters have the diagonal fallback: its first
+    tensor input's first extent (MultiheadAttention: its query's batch, as batch_first says; 1 for
+    an unbatched query). None when no positional tensor came in."""
+    x = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    if x is None:
+        return None
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return (x.size(0) if module.batch_first else x.size(1)) if x.dim() == 3 else 1
+    return x.size(0) if x.dim() >= 1 else 1
+
+
+def _parameters_of(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a module's own call computes with: its own, and for MultiheadAttention its
+    out_proj's too (it reads them in F.multi_head_attention_forward, never calling out_proj)."""
+    own = list(module.named_parameters(recurse=False))
+    if isinstance(module, torch.nn.MultiheadAttention):
+        own += [(f'out_proj.{n}', p) for n, p in module.out_proj.named_parameters(recurse=False)]
+    return own
 
 
 def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str, Any]:
@@ -160,6 +182,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             al. 2023's K-FAC-expand and K-FAC-reduce, docs/python.md).
         mpi_comm: an mpi4py communicator: kfac's factors are averaged over it (instead of
             torch.distributed's default group); the gradients are averaged by the caller.
+        fallback: with conventions='kfac': None (default) or 'diagonal': every module with
+            parameters that kfac has no layer type for (MultiheadAttention and its out_proj included,
+            and every module sharing a parameter with another: tied weights) has each of its
+            parameters registered on its own under kfac.methods.DiagonalFisher(), so that the
+            model's every parameter is preconditioned; a shared parameter once, under the name of
+            the first module that owns it (docs/transformers.md).
         strict: False (default, as kfac-pytorch): a module with parameters whose type kfac has
             no layer for (EmbeddingBag, ConvTranspose2d, a custom module, ...) is left to the
             optimizer and listed by skipped(); True: such a module is a KFACError naming it.
@@ -198,6 +226,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         mpi_comm: Any = None,
         strict: bool = False,
         conventions: str = 'kfac-pytorch',
+        fallback: str | None = None,
     ) -> None:
         self._check(factor_update_steps, 'factor_update_steps', lambda v: v > 0, 'must be > 0')
         self._check(inv_update_steps, 'inv_update_steps', lambda v: v > 0, 'must be > 0')
@@ -216,6 +245,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             raise ValueError(
                 "loss_reduction is one of kfac's conventions: kfac-pytorch's factors take the output gradients as "
                 "autograd gives them; pass conventions='kfac' with it",
+            )
+        if fallback not in _FALLBACKS:
+            raise ValueError(f"fallback must be None or 'diagonal' (got {fallback!r})")
+        if conventions == 'kfac-pytorch' and fallback is not None:
+            raise ValueError(
+                "fallback='diagonal' is one of kfac's conventions: kfac-pytorch's registration leaves every module it "
+                "has no layer for to the optimizer; pass conventions='kfac' with it",
             )
         if allreduce_bucket_cap_mb < 0:
             raise ValueError('allreduce_bucket_cap_mb must be >= 0')
@@ -275,6 +311,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.skip_layers = list(skip_layers or [])
         self.strict = strict
         self.conventions = conventions
+        self.fallback = fallback
+        self._world = world
+        self._counted: set[str] = set()  # registered names whose hooks count samples (the diagonal fallback)
         pytorch = conventions == 'kfac-pytorch'
 
         specs, modules = self._find_modules(model, self._method_entries(model, methods or {}))
@@ -444,32 +483,61 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         deciding: set[str] = set()
         specs, modules = [], {}
         # MultiheadAttention computes with its out_proj's weight, never calling the module: its
-        # hooks would never fire (kfac-pytorch#267), so it stays the optimizer's.
+        # hooks would never fire (kfac-pytorch#267), so it is the optimizer's, or with the diagonal
+        # fallback its parameters are registered under the attention module, whose call is counted.
         never_called = {
             id(m.out_proj) for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)
         }
+        # Tied weights: a parameter owned by two modules (an LM head sharing the embedding's matrix).
+        owners: dict[int, list[str]] = {}
+        for raw, module in model.named_modules():
+            if id(module) not in never_called:
+                for _, p in _parameters_of(module):
+                    owners.setdefault(id(p), []).append(raw or 'root')
+        registered: dict[int, str] = {}  # parameter -> the name it is registered under (the fallback)
         for raw_name, module in model.named_modules():
             name = raw_name or 'root'
             cls = type(module).__name__
             hits = [bool(p.search(name) or p.search(cls)) for p in patterns]
             matched = [a or b for a, b in zip(matched, hits)]
-            if not _own_parameters(module):
-                continue
+            params = _parameters_of(module)
+            if not params or (id(module) in never_called and self.fallback is not None):
+                continue  # no parameters, or registered with its MultiheadAttention
             d = _describe(name, module, self.conventions)
             d['skipped'] = any(hits)
             d['conventions'] = self.conventions
+            hit = next(
+                (e for e in entries if e[1] is module or (isinstance(e[1], re.Pattern) and e[1].search(name))),
+                None,
+            )
+            diagonal = hit is not None and isinstance(hit[2], kfac_methods.DiagonalFisher)
+            if diagonal and self.conventions == 'kfac-pytorch':
+                raise ValueError(
+                    f"{hit[0]}: DiagonalFisher is one of kfac's conventions (kfac-pytorch's registration has no "
+                    "diagonal fallback); pass conventions='kfac'",
+                )
+            sharing = sorted({o for _, p in params for o in owners[id(p)] if o != name})
+            other = d['type'] == 'other' or isinstance(module, torch.nn.MultiheadAttention)
+            if diagonal or (self.fallback is not None and (other or sharing) and not d['all_frozen']):
+                if diagonal:
+                    deciding.add(hit[0])
+                method = hit[2] if diagonal else kfac_methods.DiagonalFisher()
+                for pname, p in params:
+                    self._add_parameter(specs, modules, registered, d, module, f'{name}.{pname}', p, method)
+                continue
             # Left to the optimizer, and why: kfac-pytorch's rule is that what kfac has no layer for
             # is the optimizer's alone (with strict=True an error instead, except BatchNorm2d, LayerNorm and
             # Embedding, left by the conventions themselves); a frozen one is listed by frozen() instead.
             by_convention = (type(module) in (torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.Embedding)
                              and self.conventions == 'kfac-pytorch')
+            hint = '' if self.conventions == 'kfac-pytorch' else " (fallback='diagonal' preconditions it)"
             if id(module) in never_called:
                 d['type'] = 'other'
                 why = "MultiheadAttention's out_proj, whose forward it never calls: left to the optimizer"
             elif by_convention:
                 why = "kfac-pytorch's conventions: left to the optimizer (conventions='kfac' preconditions it)"
             else:
-                why = 'no kfac layer type: left to the optimizer'
+                why = f'no kfac layer type: left to the optimizer{hint}'
             if not d['skipped'] and not d['all_frozen'] and d['type'] == 'other' and (by_convention or not self.strict):
                 d.update(skipped=True, skip_reason=why)
             method = self._method_of(name, module, d, entries, deciding)
@@ -486,6 +554,41 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         if idle:
             raise ValueError(f'{", ".join(idle)}: decides the method of no preconditioned module (first match wins)')
         return specs, modules
+
+    def _add_parameter(
+        self,
+        specs: list[dict[str, Any]],
+        modules: dict[str, torch.nn.Module],
+        registered: dict[int, str],
+        d: dict[str, Any],
+        module: torch.nn.Module,
+        name: str,
+        p: torch.nn.Parameter,
+        method: kfac_methods.Method,
+    ) -> None:
+        """One parameter of `module` (described by `d`) under the diagonal Fisher: registered
+        under `name`, or skipped when a module before it registered the same (tied) parameter."""
+        spec = {
+            'name': name,
+            'type_name': f"{d['type_name']} parameter",
+            'type': 'parameter',
+            'weight': p,
+            'bias': None,
+            'skipped': d['skipped'],
+            'all_frozen': not p.requires_grad,
+            'conventions': self.conventions,
+        }
+        if id(p) in registered:
+            spec.update(skipped=True, skip_reason=f"tied weights: preconditioned once, as '{registered[id(p)]}'")
+        elif not spec['skipped'] and p.requires_grad:
+            registered[id(p)] = name
+        if p.dtype in (torch.float32, torch.float64):
+            spec['method'] = method._core_spec(self.factor_dtype, self.inv_dtype, p.dtype)
+        else:  # refused by the core, naming the parameter
+            spec['method'] = {**method._core_spec(None, None, torch.float32), 'precision': 'scalar'}
+        specs.append(spec)
+        modules[name] = module
+        self._counted.add(name)
 
     # ---- hooks: registered only while the next step updates a module's statistics -------------
 
@@ -515,6 +618,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 p._save_grad_output(i, module, grad_input, grad_output)
 
         module = self._modules[i]
+        if self._core.modules()[i] in self._counted:  # the diagonal fallback: only the sample count
+
+            def count_samples(module: torch.nn.Module, inputs: Any) -> None:
+                p = ref()
+                if p is not None:
+                    p._count_samples(i, module, inputs)
+
+            return (module.register_forward_pre_hook(count_samples),)
         return module.register_forward_pre_hook(save_input), module.register_full_backward_hook(save_grad_output)
 
     def remove_hooks(self) -> None:
@@ -531,6 +642,20 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     def _save_input(self, i: int, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         if module.training and torch.is_grad_enabled():
             self._core.observe_input(i, inputs[0])
+
+    def _count_samples(self, i: int, module: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
+        """A parameter under the diagonal fallback observes the samples its gradient is over: the
+        call's batch, times the world size (the gradients are averaged over the ranks)."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        n = _sample_count(module, inputs)
+        if n is not None:
+            count = torch.zeros(n * self._world, dtype=self._core_dtype())
+            self._core.observe_input(i, count)
+            self._core.observe_output_grad(i, count)
+
+    def _core_dtype(self) -> torch.dtype:
+        return torch.float64 if self._core.dtype() == 'double' else torch.float32
 
     def _save_grad_output(self, i: int, module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
         if not module.training:

@@ -233,7 +233,7 @@ kfac::impl::TorchMethod method_from(const std::string& module, const py::dict& m
                    .with_jacobi_sweeps(int(integer("jacobi_sweeps")))
                    .with_refresh_tolerance(real("refresh_tolerance"));
     t.diagonal = flag("diagonal");
-  } else if (kind != "unit_wise_fisher") {  // BatchNorm2d's and LayerNorm's: only its precision is read
+  } else if (kind != "unit_wise_fisher" && kind != "diagonal_fisher") {  // only their precision is read
     throw kfac::Error(module, "method '" + kind + "': not one of kfac.methods'");
   }
   return t;
@@ -250,6 +250,7 @@ TorchModuleSpec spec_from(const py::dict& d) {
            : type == "batch_norm" ? TorchModuleSpec::Type::batch_norm
            : type == "layer_norm" ? TorchModuleSpec::Type::layer_norm
            : type == "embedding"  ? TorchModuleSpec::Type::embedding
+           : type == "parameter"  ? TorchModuleSpec::Type::parameter
                                   : TorchModuleSpec::Type::other;
   s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
   if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();

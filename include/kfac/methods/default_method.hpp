@@ -6,6 +6,8 @@
 #include <type_traits>
 
 #include "kfac/layers/embedding.hpp"
+#include "kfac/layers/parameter.hpp"
+#include "kfac/methods/diagonal/diagonal_fisher.hpp"
 #include "kfac/methods/embedding/embedding_fisher.hpp"
 #include "kfac/methods/kfac/kfac_method.hpp"
 #include "kfac/methods/unit_wise/unit_wise_fisher.hpp"
@@ -13,7 +15,8 @@
 namespace kfac {
 
 /// \brief default_method<L>::type: KFAC<> for Kronecker layer types (Dense, Conv2d),
-/// EmbeddingFisher<> for Embedding, UnitWiseFisher<> for the others (BatchNorm2d, LayerNorm).
+/// EmbeddingFisher<> for Embedding, DiagonalFisher<> for Parameter, UnitWiseFisher<> for the others
+/// (BatchNorm2d, LayerNorm).
 /// Specialize it for a layer type of your own.
 template <class LayerType, class = void>
 struct default_method {
@@ -22,6 +25,10 @@ struct default_method {
 template <>
 struct default_method<Embedding> {
   using type = EmbeddingFisher<>;
+};
+template <>
+struct default_method<Parameter> {
+  using type = DiagonalFisher<>;
 };
 
 namespace impl {

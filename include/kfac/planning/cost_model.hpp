@@ -227,9 +227,10 @@ struct MachineFigures {
   /// every step, whatever the strategy: loading it (read, write), writing the preconditioned
   /// gradient back (read, write) and, with KL clipping, the inner product (two reads), at
   /// memory_bandwidth in the decomposition's scalar. Closed forms of other layers than Kronecker
-  /// ones (BatchNorm, LayerNorm, an Embedding with a diagonal G) are not modelled.
+  /// ones are modelled only when their apply states its element-wise work (a Parameter's
+  /// diagonal Fisher); BatchNorm, LayerNorm and an Embedding with a diagonal G are not.
   double gradient_pass_seconds(const LayerShape& layer, bool kl_clip) const {
-    if (!layer.kronecker && layer.decomposed_factors() == 0) return 0.0;
+    if (!layer.kronecker && layer.decomposed_factors() == 0 && layer.plan.apply.stream_bytes == 0) return 0.0;
     const double values = double(layer.g_dim) * double(layer.a_dim);
     return (kl_clip ? 6.0 : 4.0) * values * double(layer.decomposition_scalar) / memory_bandwidth;
   }

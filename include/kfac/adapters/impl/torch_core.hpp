@@ -26,7 +26,7 @@
 namespace kfac {
 namespace impl {
 
-enum class TorchKind { dense, conv2d, batch_norm, layer_norm, embedding };
+enum class TorchKind { dense, conv2d, batch_norm, layer_norm, embedding, parameter };
 
 /// \brief The scalar types of a module's factors and decompositions (kfac::Precision<F, D>).
 enum class TorchPrecision {
@@ -61,7 +61,9 @@ struct TorchFrontEnd {
 
 /// \brief One module that owns parameters, as a front end found it.
 struct TorchModuleSpec {
-  enum class Type { linear, conv2d, batch_norm, layer_norm, embedding, other };
+  /// parameter: one parameter tensor (`weight`) under the diagonal Fisher, the generic fallback;
+  /// its front end records only the sample count of each call of the module owning it.
+  enum class Type { linear, conv2d, batch_norm, layer_norm, embedding, parameter, other };
   std::string name;       ///< path in the model ("features.0"; "root" for the model itself)
   std::string type_name;  ///< the type as the front end spells it ("torch::nn::Conv2d", "torch.nn.Conv2d")
   Type type = Type::other;
@@ -207,6 +209,9 @@ inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x) 
       // dimensions are one run of tokens per sample, as torch_tokens reshapes a Linear's.
       return xd.dim() <= 2 ? xd : xd.reshape({xd.size(0), -1});
     }
+    case TorchKind::parameter:  // the sample count: any tensor whose first extent is the batch
+      if (xd.dim() < 1) throw Error(c.name, "sample count of shape (); expected a tensor of shape (batch, ...)");
+      return xd.reshape({xd.size(0), -1});
   }
   return xd;
 }
@@ -227,6 +232,7 @@ class TorchBackend {
   virtual void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) = 0;
   virtual void add(const std::string& name, const LayerNorm& l, TorchPrecision p) = 0;
   virtual void add(const std::string& name, const Embedding& l, const TorchMethod& m) = 0;
+  virtual void add(const std::string& name, const Parameter& l, TorchPrecision p) = 0;
   virtual bool wants_observations() const = 0;
   virtual bool wants_observations(const std::string& name) const = 0;
   virtual bool is_skipped(const std::string& name) const = 0;
@@ -271,6 +277,7 @@ class TorchBackendOf final : public TorchBackend {
   void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
   void add(const std::string& name, const LayerNorm& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
   void add(const std::string& name, const Embedding& l, const TorchMethod& m) override { add_embedding(name, l, m); }
+  void add(const std::string& name, const Parameter& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
   bool wants_observations() const override { return pre_.wants_observations(); }
   bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
   bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
@@ -327,17 +334,21 @@ class TorchBackendOf final : public TorchBackend {
       case TorchPrecision::double_float: return f(Precision<double, float>{});
     }
   }
+  /// A unit-wise layer's UnitWiseFisher, or a Parameter's DiagonalFisher, in the precision `p` names.
   template <class Layer>
   void add_unit_wise(const std::string& name, const Layer& l, TorchPrecision p) {
     if constexpr (Set == TorchMethods::default_only) {
       if (p != TorchPrecision::scalar) throw Error(name, not_offered(Layer::kind));
-      pre_.register_layer(name, l, UnitWiseFisher<UnitWise, Precision<Scalar>>{});
+      if constexpr (std::is_same<Layer, Parameter>::value)
+        pre_.register_layer(name, l, DiagonalFisher<Precision<Scalar>>{});
+      else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, Precision<Scalar>>{});
     } else {
       with_precision(p, [&](auto prec) {
         using P = decltype(prec);
         if constexpr (std::is_same<typename P::factor_type, Half>::value)
           throw Error(name, std::string(Layer::kind) +
                                 ": half-precision factors are for Kronecker layers; store it in float or double");
+        else if constexpr (std::is_same<Layer, Parameter>::value) pre_.register_layer(name, l, DiagonalFisher<P>{});
         else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
       });
     }
@@ -450,6 +461,7 @@ struct TorchTranslation {
   std::optional<BatchNorm2d> bn;
   std::optional<LayerNorm> ln;
   std::optional<Embedding> emb;
+  std::optional<Parameter> param;
 };
 
 inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s, const TorchFrontEnd& front,
@@ -531,6 +543,17 @@ inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s,
         }
         t.emb->with_padding_index(index_t(p));
       }
+      return t;
+    }
+    case TorchModuleSpec::Type::parameter: {
+      const int64_t count = s.weight.defined() ? s.weight.numel() : 0;
+      if (count < 1) {
+        problem = "is an empty parameter; kfac needs at least one value";
+        return std::nullopt;
+      }
+      const int64_t rows = s.weight.dim() == 0 ? 1 : s.weight.size(0);
+      t.kind = TorchKind::parameter;
+      t.param.emplace(index_t(rows), index_t(count / rows));
       return t;
     }
     case TorchModuleSpec::Type::other: break;
@@ -627,6 +650,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method);
     else if (f.layer.ln) backend_->add(s.name, *f.layer.ln, s.method.precision);
     else if (f.layer.emb) backend_->add(s.name, *f.layer.emb, s.method);
+    else if (f.layer.param) backend_->add(s.name, *f.layer.param, s.method.precision);
     else backend_->add(s.name, *f.layer.bn, s.method.precision);
     auto capture = std::make_shared<TorchCapture>();
     capture->name = s.name;
@@ -721,7 +745,8 @@ inline void TorchCore::precondition() {
                                     " (its error names them); nothing was preconditioned");
   for (const auto& o : observations) backend_->observe(*o.name, o.x, o.g);
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (the .grad(), kfac's contiguous copy)
-  for (const auto& e : entries_) {
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
     if (backend_->is_skipped(e.name)) continue;
     at::Tensor w = e.weight.grad(), b = e.bias.defined() ? e.bias.grad() : at::Tensor();
     if (e.bias.defined() && !b.defined()) {  // a bias without a gradient counts as 0
@@ -731,6 +756,8 @@ inline void TorchCore::precondition() {
     at::Tensor kw = as_kfac(w), kb = b.defined() ? as_kfac(b) : b;
     if (kw.data_ptr() != w.data_ptr()) copy_back.emplace_back(w, kw);
     if (b.defined() && kb.data_ptr() != b.data_ptr()) copy_back.emplace_back(b, kb);
+    if (captures_[i]->kind == TorchKind::parameter)  // any shape, as (rows, rest): a view of kfac's copy
+      kw = kw.reshape({kw.dim() == 0 ? 1 : kw.size(0), -1});
     backend_->set_gradient(e.name, kw, kb);
   }
   backend_->step();
