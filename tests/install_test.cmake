@@ -8,7 +8,7 @@
 #
 # The documentation's programs are built and run as printed: every ```cpp block of README.md's
 # "## Using it" section, of docs/usage.md's first section, of docs/transformers.md's "## C++"
-# section and of the "## Examples" section of
+# section, of docs/self_tuning.md's "## Example" section and of the "## Examples" section of
 # each method page (docs/methods/*.md; a page without one fails the test) is copied verbatim into
 # WORK_DIR/snippets/ and becomes one consumer executable (kfac::eigen for a block that includes
 # the Eigen adapter). A page whose programs include an MPI header is left out when WITH_MPI is
@@ -67,6 +67,7 @@ endfunction()
 extract_cpp_blocks(README.md "## Using it" readme_using_it)
 extract_cpp_blocks(docs/usage.md "## Registering layers: layer type + method" usage_registering)
 extract_cpp_blocks(docs/transformers.md "## C++" transformers)
+extract_cpp_blocks(docs/self_tuning.md "## Example" self_tuning)
 file(GLOB method_pages RELATIVE "${SOURCE_DIR}" "${SOURCE_DIR}/docs/methods/*.md")
 foreach(page IN LISTS method_pages)
   get_filename_component(stem "${page}" NAME_WE)

@@ -4,10 +4,9 @@
 // area through the public API: FDG pipeline buffers, NG-SGD with parameter averaging, KAISA's reduced-precision
 // factor sums (blocking and overlapped), the portable Jacobi and Cholesky solvers, packed symmetric factors, Conv2d
 // output-gradient rows, Dense over tokens, LayerNorm, Embedding and the diagonal Fisher, the randomized eigensolver,
-// the Eigen adapter's copies and the cost model. The preconditioner parts run on Kokkos::DefaultExecutionSpace and,
-// where that is a
-// device, on the host space as well (its LAPACK paths). Nothing here launches a kernel of its own: data is filled
-// on the host and copied.
+// the Eigen adapter's copies, self-tuning K-FAC's solve and the cost model. The preconditioner parts run on
+// Kokkos::DefaultExecutionSpace and, where that is a device, on the host space as well (its LAPACK paths).
+// Nothing here launches a kernel of its own: data is filled on the host and copied.
 // Serial builds also run it, at 1 and 2 MPI ranks; it checks shapes only, and prints "kernel_coverage: ok".
 #include <mpi.h>
 
@@ -296,12 +295,38 @@ void cost_model(const kfac::MpiComm& comm) {
   require(prediction.ranks.size() == std::size_t(comm.size()), "one cost per rank");
 }
 
+/// Self-tuning K-FAC: two solves (the second with momentum) from products of every loss curvature, a
+/// damping update, over the ranks.
+template <class Space>
+void self_tuning(const kfac::MpiComm& comm, Numbers& data) {
+  kfac::SelfTuning<double, Space, kfac::MpiComm> tune(kfac::Adaptive{}.with_update_interval(1), Space(), comm);
+  auto w = filled<V2<Space>>(data, 4, 3);
+  auto b = filled<V1<Space>>(data, 4);
+  tune.add_parameter("w", w);
+  tune.add_parameter("b", b);
+  const kfac::LossCurvature kinds[2] = {kfac::LossCurvature::softmax_cross_entropy,
+                                        kfac::LossCurvature::sigmoid_cross_entropy};
+  for (int step = 0; step < 2; ++step) {
+    tune.capture_gradient();
+    kfac::OutputProducts<double, Space> prod;
+    prod.loss = kinds[step];
+    prod.outputs = filled<V2<Space>>(data, kBatch, 3);
+    prod.along_proposal = filled<V2<Space>>(data, kBatch, 3);
+    if (tune.needs_previous_product()) prod.along_previous = filled<V2<Space>>(data, kBatch, 3);
+    tune.solve(prod);
+    tune.update_damping(1.0, 0.5);
+  }
+  require(tune.solves() == 2 && tune.damping_updates() == 2, "two solves and damping updates");
+}
+
 /// The preconditioner parts in one execution space.
 template <class Space>
 void preconditioners(const kfac::MpiComm& comm) {
   kaisa_and_inversions<Space>(comm);
   ngsgd_with_averaging<Space>(comm);
   sequence_layers<Space>(comm);
+  Numbers data(71);
+  self_tuning<Space>(comm, data);
 }
 
 }  // namespace

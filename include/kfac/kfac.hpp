@@ -6,6 +6,8 @@
 /// (kfac/adapters/eigen.hpp, kfac/adapters/torch.hpp), since they pull in their libraries.
 
 #include "kfac/adapters/raw.hpp"
+#include "kfac/adaptive/adaptive.hpp"
+#include "kfac/adaptive/self_tuning.hpp"
 #include "kfac/config.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/core/precision.hpp"

@@ -17,6 +17,15 @@ KOKKOS_INLINE_FUNCTION T sqrt_(T x) {
 }
 
 template <class T>
+KOKKOS_INLINE_FUNCTION T exp_(T x) {
+#if KOKKOS_VERSION >= 40000
+  return Kokkos::exp(x);
+#else
+  return Kokkos::Experimental::exp(x);
+#endif
+}
+
+template <class T>
 KOKKOS_INLINE_FUNCTION T abs_(T x) {
   return x < T(0) ? -x : x;
 }
