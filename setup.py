@@ -2,7 +2,7 @@
 
     python3 -m pip install --no-build-isolation .
 
-builds the extension kfac._kfac (python/src/kfac_python.cpp) against the torch installed in the
+builds the extension kfac._kfac (python/src/kfac_python.cpp, self_tuning.cpp) against the torch installed in the
 environment (torch.utils.cpp_extension) and installs it with every module under python/kfac/.
 Kokkos, Kokkos Kernels, LAPACKE/BLAS and MPI are found by CMake (python/deps/CMakeLists.txt), so
 the extension gets the flags, libraries and KFAC_HAVE_* definitions of the CMake build.
@@ -147,7 +147,7 @@ setup(
     package_dir={'': 'python'},
     ext_modules=[
         CppExtension(
-            'kfac._kfac', ['python/src/kfac_python.cpp'],
+            'kfac._kfac', ['python/src/kfac_python.cpp', 'python/src/self_tuning.cpp'],
             # After the interpreter's own flags (Debian's carry -g -O2): no debug information, which
             # would make the module hundreds of MB; pybind11's advice of hidden symbols, as in the CMake build.
             extra_compile_args=['-std=c++17', os.environ.get('KFAC_BUILD_OPT', '-O3'), '-g0', '-fvisibility=hidden',

@@ -20,6 +20,7 @@ import kfac.assignment as assignment
 import kfac.base_preconditioner as base_preconditioner
 import kfac.enums as enums
 import kfac.hyperparams as hyperparams
+import kfac.losses as losses
 import kfac.methods as methods
 import kfac.preconditioner as preconditioner
 import kfac.scheduler as scheduler
@@ -34,8 +35,10 @@ from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.preconditioner import KFACPreconditioner
 from kfac.scheduler import LambdaParamScheduler
+from kfac.self_tuning import SelfTuning
 
 atexit.register(_kfac.finalize)
+atexit.register(_kfac.release_self_tuning)  # runs first (last registered): kfac state before Kokkos
 
 __all__ = [
     'AllreduceMethod',
@@ -46,4 +49,5 @@ __all__ = [
     'KFACError',
     'KFACPreconditioner',
     'LambdaParamScheduler',
+    'SelfTuning',
 ]

@@ -312,6 +312,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.strict = strict
         self.conventions = conventions
         self.fallback = fallback
+        self.loss_reduction = 'sum' if conventions == 'kfac-pytorch' else loss_reduction or 'mean'
         self._world = world
         self._counted: set[str] = set()  # registered names whose hooks count samples (the diagonal fallback)
         pytorch = conventions == 'kfac-pytorch'
@@ -340,6 +341,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             process_group=dist.distributed_c10d._get_default_group() if distributed else None,
             mpi_comm=mpi_comm if mpi_comm is not None and world > 1 else None,
         )
+        # The communicator's settings, for kfac.SelfTuning (the same ranks).
+        self._communicator = {k: settings[k] for k in ('process_group', 'mpi_comm')}
         self._core = _kfac.Core(specs, settings)
         self._modules = [modules[name] for name in self._core.modules()]
         self._handles: list[tuple[Any, Any] | None] = [None] * len(self._modules)

@@ -22,6 +22,9 @@
 
 namespace py = pybind11;
 using kfac::impl::TorchModuleSpec;
+
+// python/src/self_tuning.cpp: _kfac.SelfTuning (kfac::SelfTuning), its own translation unit.
+void register_self_tuning(py::module_& m);
 using kfac::python::TorchDistComm;
 
 namespace {
@@ -503,6 +506,7 @@ PYBIND11_MODULE(_kfac, m) {
       .def("save", &PyPreconditioner::save)
       .def("load", &PyPreconditioner::load)
       .def("release", &PyPreconditioner::release);
+  register_self_tuning(m);
   m.def("finalize", &finalize, "Frees every preconditioner's state and finalizes Kokkos (registered with atexit)");
   m.def("kokkos_initialized", [] { return Kokkos::is_initialized(); });
 #if KFAC_HAVE_MPI
