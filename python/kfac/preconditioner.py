@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from kfac import _kfac
+from kfac import losses
 from kfac import methods as kfac_methods
 from kfac.assignment import grad_worker_layout
 from kfac.base_preconditioner import HYPERPARAMETERS
@@ -40,6 +41,7 @@ def _type_name(module: torch.nn.Module) -> str:
 
 _CONVENTIONS = ('kfac-pytorch', 'kfac')
 _FALLBACKS = (None, 'diagonal')
+_FISHERS = ('empirical', 'sampled')
 
 
 def _sample_count(module: torch.nn.Module, inputs: tuple[Any, ...]) -> int | None:
@@ -191,6 +193,13 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         strict: False (default, as kfac-pytorch): a module with parameters whose type kfac has
             no layer for (EmbeddingBag, ConvTranspose2d, a custom module, ...) is left to the
             optimizer and listed by skipped(); True: such a module is a KFACError naming it.
+        fisher: with conventions='kfac': 'empirical' (default: G from the output gradients of
+            the loss at the data's targets) or 'sampled' (the true Fisher: G from the output
+            gradients at targets drawn from the model's predictive distribution; call
+            sample_fisher(outputs, loss) before loss.backward() on every step; the parameters'
+            gradients stay the data's). Cost: fisher_samples extra backward passes on the steps
+            that update the statistics, none on the others.
+        fisher_samples: targets drawn per sample under fisher='sampled' (default 1).
     """
 
     def __init__(
@@ -227,6 +236,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         strict: bool = False,
         conventions: str = 'kfac-pytorch',
         fallback: str | None = None,
+        fisher: str = 'empirical',
+        fisher_samples: int = 1,
     ) -> None:
         self._check(factor_update_steps, 'factor_update_steps', lambda v: v > 0, 'must be > 0')
         self._check(inv_update_steps, 'inv_update_steps', lambda v: v > 0, 'must be > 0')
@@ -253,6 +264,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 "fallback='diagonal' is one of kfac's conventions: kfac-pytorch's registration leaves every module it "
                 "has no layer for to the optimizer; pass conventions='kfac' with it",
             )
+        if fisher not in _FISHERS:
+            raise ValueError(f"fisher must be 'empirical' or 'sampled' (got {fisher!r})")
+        if conventions == 'kfac-pytorch' and fisher != 'empirical':
+            raise ValueError(
+                "fisher='sampled' is one of kfac's conventions: kfac-pytorch's factors take the output gradients as "
+                "autograd gives them, for a loss whose reduction kfac does not know; pass conventions='kfac' with it",
+            )
+        if not isinstance(fisher_samples, int) or isinstance(fisher_samples, bool) or fisher_samples < 1:
+            raise ValueError(f'fisher_samples must be an int >= 1 (got {fisher_samples!r})')
         if allreduce_bucket_cap_mb < 0:
             raise ValueError('allreduce_bucket_cap_mb must be >= 0')
         if (
@@ -312,7 +332,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.strict = strict
         self.conventions = conventions
         self.fallback = fallback
+        self.fisher = fisher
+        self.fisher_samples = fisher_samples
         self.loss_reduction = 'sum' if conventions == 'kfac-pytorch' else loss_reduction or 'mean'
+        self._sampling = False  # inside sample_fisher's backward passes
+        self._sampled = False  # sample_fisher ran since the last step()
+        self._seen: list[list[torch.Tensor]] = []  # fisher='sampled': each module's inputs since sample_fisher
         self._world = world
         self._counted: set[str] = set()  # registered names whose hooks count samples (the diagonal fallback)
         pytorch = conventions == 'kfac-pytorch'
@@ -346,6 +371,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._core = _kfac.Core(specs, settings)
         self._modules = [modules[name] for name in self._core.modules()]
         self._handles: list[tuple[Any, Any] | None] = [None] * len(self._modules)
+        self._seen = [[] for _ in self._modules]
         for name, module in zip(self._core.modules(), self._modules):
             logger.log(loglevel, f'Registered name="{name}": {module!r}')
         for skipped in self._core.skipped():
@@ -645,6 +671,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     def _save_input(self, i: int, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         if module.training and torch.is_grad_enabled():
             self._core.observe_input(i, inputs[0])
+            if self.fisher == 'sampled':
+                self._seen[i].append(inputs[0])
 
     def _count_samples(self, i: int, module: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
         """A parameter under the diagonal fallback observes the samples its gradient is over: the
@@ -661,8 +689,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         return torch.float64 if self._core.dtype() == 'double' else torch.float32
 
     def _save_grad_output(self, i: int, module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
-        if not module.training:
-            return
+        if not module.training or (self.fisher == 'sampled' and not self._sampling):
+            return  # the sampled Fisher's statistics come from sample_fisher's passes alone
         g = grad_output[0] if isinstance(grad_output, (tuple, list)) else grad_output
         if self.grad_scaler is not None:
             scale = self.grad_scaler() if callable(self.grad_scaler) else self.grad_scaler.get_scale()
@@ -676,10 +704,53 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         before optimizer.step(). Raises KFACError naming the modules that were not ready (then
         nothing changed). (No torch.no_grad() needed: the core records no autograd graph; it
         costs ~20 us a step.)"""
+        unsampled = self.fisher == 'sampled' and not self._sampled and any(h is not None for h in self._handles)
         try:
             self._core.precondition()
+        except _kfac.KFACError as e:
+            if unsampled:
+                raise ValueError(
+                    "fisher='sampled': this step updates the statistics, and sample_fisher(outputs, loss) was not "
+                    'called before loss.backward(); nothing was preconditioned',
+                ) from e
+            raise
         finally:
+            self._sampled = False
+            self._seen = [[] for _ in self._modules]
             self._sync_hooks()
+
+    def sample_fisher(self, outputs: torch.Tensor, loss: str = 'cross_entropy') -> None:
+        """fisher='sampled': on a step that updates the statistics, draws fisher_samples targets
+        per sample from the model's predictive distribution at `outputs` (categorical for
+        'cross_entropy', N(outputs, I/2) for 'mse', Bernoulli for 'bce': kfac.losses) and runs one
+        backward pass from `outputs` per draw, whose output gradients the hooks record instead of
+        the data loss's; the parameters' .grad is not touched. Call it after the forward pass and
+        before loss.backward() (the graph is kept for it). On other steps it does nothing."""
+        if self.fisher != 'sampled':
+            raise ValueError("sample_fisher: this preconditioner was built with fisher='empirical'")
+        losses.check_loss(loss)
+        if not isinstance(outputs, torch.Tensor) or not outputs.requires_grad:
+            raise ValueError('sample_fisher: outputs must be the model output of this forward pass, with its graph')
+        if not any(h is not None for h in self._handles):
+            return  # not a statistics step: no extra pass
+        bad = int((~torch.isfinite(outputs.detach())).sum())
+        if bad:
+            raise ValueError(f'sample_fisher: the outputs have {bad} non-finite values (NaN/Inf)')
+        seen, self._seen = self._seen, [[] for _ in self._modules]
+        params = list({id(p): p for m in self._modules for p in m.parameters() if p.requires_grad}.values())
+        scale = 1.0 / self._accumulation_steps  # as each micro-batch's loss is divided
+        self._sampling = True
+        try:
+            for s in range(self.fisher_samples):
+                if s > 0:  # one more observation of each input, for this draw's output gradients
+                    for i, xs in enumerate(seen):
+                        for x in xs:
+                            self._core.observe_input(i, x)
+                objective = losses.sampled_objective(loss, outputs, self.loss_reduction) * scale
+                torch.autograd.grad(objective, params, retain_graph=True, allow_unused=True)
+        finally:
+            self._sampling = False
+        self._sampled = True
 
     # ---- kfac-pytorch's properties -------------------------------------------------------------
 
