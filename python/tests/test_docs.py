@@ -1,4 +1,4 @@
-"""Every ```python block of docs/python.md and docs/transformers.md runs as printed."""
+"""Every ```python block of docs/python.md, docs/transformers.md and docs/self_tuning.md runs as printed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / 'docs'
-BLOCKS = [b for page in ('python.md', 'transformers.md')
+BLOCKS = [b for page in ('python.md', 'transformers.md', 'self_tuning.md')
           for b in re.findall(r'```python\n(.*?)```', (DOCS / page).read_text(), flags=re.S)]
 
 
