@@ -46,10 +46,15 @@ inline Dataset make_dataset(const std::vector<float>& pixels, const std::vector<
   return d;
 }
 
+/// \brief How load_fashion_mnist scales the pixels.
+enum class Pixels { standardized, unit };
+
 /// \brief Loads one split of Fashion-MNIST (`split` = "train" or "t10k").
 /// \param limit [in] keep the first `limit` samples (the files are already shuffled); 0 keeps all
 /// \throws std::runtime_error naming the file when a file is missing or malformed
-inline Dataset load_fashion_mnist(const std::string& dir, const std::string& split, int limit = 0) {
+/// \param pixels [in] standardized (the classifiers' inputs) or unit: pixel / 255 in [0, 1] (the autoencoder's)
+inline Dataset load_fashion_mnist(const std::string& dir, const std::string& split, int limit = 0,
+                                  Pixels pixels_as = Pixels::standardized) {
   const std::string image_path = dir + "/" + split + "-images-idx3-ubyte.gz";
   const std::string label_path = dir + "/" + split + "-labels-idx1-ubyte.gz";
   const IdxArray images = read_idx(image_path);
@@ -62,7 +67,8 @@ inline Dataset load_fashion_mnist(const std::string& dir, const std::string& spl
   if (limit > 0 && limit < n) n = limit;
 
   // Per-pixel statistics of the Fashion-MNIST training set.
-  const float mean = 0.2860f, inv_std = 1.0f / 0.3530f;
+  const bool unit = pixels_as == Pixels::unit;
+  const float mean = unit ? 0.0f : 0.2860f, inv_std = unit ? 1.0f : 1.0f / 0.3530f;
   std::vector<float> pixels(std::size_t(n) * 784);
   for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = (images.data[i] / 255.0f - mean) * inv_std;
   std::vector<int> y(n);

@@ -20,7 +20,7 @@ class Dense {
   Dense(int in, int out, bool bias, Init init, SplitMix64& rng)
       : in_(in), out_(out), has_bias_(bias), weight_("nn::dense::W", out, in),
         bias_("nn::dense::b", bias ? out : 0), dweight_("nn::dense::dW", out, in),
-        dbias_("nn::dense::db", bias ? out : 0), y_("nn::dense::y"), dx_("nn::dense::dx") {
+        dbias_("nn::dense::db", bias ? out : 0), y_("nn::dense::y"), dx_("nn::dense::dx"), ry_("nn::dense::ry") {
     fill_uniform(weight_, init_bound(init, in), rng);  // bias starts at zero
   }
 
@@ -63,6 +63,26 @@ class Dense {
     return Tensor(dx.data(), x_.extent(0), x_.extent(1), x_.extent(2), x_.extent(3));
   }
 
+  /// \brief Forward mode (R-op) at the input and parameters of the last forward pass: the
+  /// directional derivative of the output, \f$\dot y = \dot x W^T + x\,\dot W^T + \dot b\f$.
+  /// \param dx [in] \f$\dot x\f$ shaped like the input, or empty (zero: the input does not move)
+  /// \param direction [in] \f$\dot W\f$ (out*in, row-major) and, with a bias, \f$\dot b\f$: params()' order
+  /// \return \f$\dot y\f$, (N, out, 1, 1), owned by this layer until its next rop
+  Tensor rop(const Tensor& dx, const std::vector<ConstVector>& direction) {
+    const Matrix xm = as_matrix(x_);
+    const int n = int(xm.extent(0));
+    const Matrix ry = ry_.matrix(n, out_);
+    const Kokkos::View<const float**, Kokkos::LayoutRight, MemSpace> dw(direction.at(0).data(), out_, in_);
+    KokkosBlas::gemm("N", "T", 1.0f, xm, dw, 0.0f, ry);
+    if (dx.data()) KokkosBlas::gemm("N", "T", 1.0f, as_matrix(dx), weight_, 1.0f, ry);
+    if (has_bias_) {
+      const ConstVector db = direction.at(1);
+      Kokkos::parallel_for("nn::dense::rop_bias", range2(n, out_),
+                           KOKKOS_LAMBDA(const int i, const int o) { ry(i, o) += db(o); });
+    }
+    return as_tensor(ry);
+  }
+
   std::vector<Param> params() const {
     std::vector<Param> p{{"weight", flat(weight_), flat(dweight_), true}};
     if (has_bias_) p.push_back({"bias", bias_, dbias_, false});
@@ -88,7 +108,7 @@ class Dense {
   Vector bias_;
   Matrix dweight_;
   Vector dbias_;
-  Buffer<float> y_, dx_;
+  Buffer<float> y_, dx_, ry_;
   Tensor x_;
   Matrix dy_;
 };

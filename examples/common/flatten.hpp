@@ -20,6 +20,12 @@ class Flatten {
     return Tensor(dy.data(), in_shape_[0], in_shape_[1], in_shape_[2], in_shape_[3]);
   }
 
+  /// \brief Forward mode (R-op): the tangent reshaped like the output (empty stays empty).
+  Tensor rop(const Tensor& dx, const std::vector<ConstVector>&) {
+    if (!dx.data()) return Tensor();
+    return as_tensor(as_matrix(dx));
+  }
+
   std::vector<Param> params() const { return {}; }
 
  private:

@@ -6,7 +6,9 @@
 /// Define KFAC_EXAMPLES_WITHOUT_KFAC to build the examples without the library (the K-FAC
 /// optimizer then throws on construction).
 
+#include "common/cross_entropy.hpp"
 #include "common/network.hpp"
+#include "common/sigmoid_cross_entropy.hpp"
 #include "common/sgd.hpp"
 #include "common/world.hpp"
 
@@ -148,6 +150,10 @@ struct KfacSettings {
   /// kfac::recipes::large_batch with lr, damping and kl_clip above as the values tuned at the
   /// recipe's reference batch 256 (see recipe_of), or none.
   RecipeSettings recipe;
+  /// Self-tuned (kfac::SelfTuning with kfac::Adaptive's defaults, docs/self_tuning.md): step size,
+  /// momentum and damping chosen every step from the exact curvature, so lr, momentum, damping
+  /// and kl_clip above are not used; one process, and a network whose layers all have an R-op.
+  bool adaptive = false;
 };
 
 /// \brief The gradient-worker fraction `s` asks for on `world_size` ranks (see KfacSettings).
@@ -222,6 +228,28 @@ inline kfac::Conv2d kfac_layer_of(const Conv2d& layer) {
       .with_bias(c.bias);
 }
 
+/// \brief The curvature kind of each of the examples' losses at its logits (kfac::SelfTuning).
+inline kfac::LossCurvature loss_curvature(const SoftmaxCrossEntropy&) {
+  return kfac::LossCurvature::softmax_cross_entropy;
+}
+inline kfac::LossCurvature loss_curvature(const SigmoidCrossEntropy&) {
+  return kfac::LossCurvature::sigmoid_cross_entropy;
+}
+
+/// \brief y += a x, elementwise (a free function: nvcc rejects device lambdas in private members).
+inline void add_scaled(float a, const ConstVector& x, const Vector& y) {
+  Kokkos::parallel_for("nn::kfac::axpy", Kokkos::RangePolicy<ExecSpace>(0, y.extent(0)),
+                       KOKKOS_LAMBDA(const std::size_t i) { y(i) += a * x(i); });
+}
+
+/// \brief What the host hands KfacSgd::step_adaptive about its loss on this step's batch.
+struct AdaptiveLoss {
+  kfac::LossCurvature curvature;  ///< loss_curvature(the loss)
+  Tensor logits;                  ///< the outputs of the forward pass the gradients came from
+  double before;                  ///< the mean loss on the batch at the parameters of that pass
+  std::function<double()> after;  ///< the same loss at the parameters now (a forward pass on the same batch)
+};
+
 /// \brief What register_layer<L, Symmetric, Cholesky<>> registers for the examples' float
 /// preconditioners, with KfacSettings::pi_damping (factors in `Prec`).
 template <class Prec = kfac::Precision<float>>
@@ -246,6 +274,18 @@ class KfacSgd {
       const kfac::recipes::LargeBatch r = recipe_of(s);
       options = r.options(options);
       lr_ = r.lr_schedule();
+    }
+    if (s.adaptive) {
+      if (world.size() > 1) throw std::invalid_argument("self-tuned K-FAC (--adaptive) runs on one process");
+      if (!net.has_rop())
+        throw std::invalid_argument("self-tuned K-FAC (--adaptive) needs an R-op of every layer (the MLP models, the "
+                                    "autoencoder; not the CNNs)");
+      tune_ = std::make_unique<Tuning>(kfac::Adaptive{}.with_weight_decay(s.weight_decay));
+      // lambda + eta is the damping; the solve chooses the step's length: no KL clip, no schedule.
+      options = options.with_damping(tune_->damping()).with_kl_clip(0.0).with_lr(1.0);
+      lr_ = nullptr;
+      for (const Param& p : net.params()) tune_->add_parameter(p.name, p.grad);
+      params_ = net.params();
     }
     options_ = options;
     settings_ = s;
@@ -274,6 +314,48 @@ class KfacSgd {
     if (lr_) sgd_.set_lr(lr_(step));  // the rate K-FAC's KL clip assumed at this step
     sgd_.step();
   }
+
+  /// \brief Self-tuned step (KfacSettings::adaptive; docs/self_tuning.md's protocol), after
+  /// forward and backward on this step's batch: the gradients (plus weight decay) are captured,
+  /// preconditioned into the proposal P, the network's R-op gives J P (and J U0 along the previous
+  /// update), kfac::SelfTuning solves for the step size and momentum, and the parameters move by
+  /// the update U (learning rate 1); every update_interval steps the loss at the new parameters,
+  /// `loss.after()`, updates the damping. Counted in kfac_seconds() except the R-op and loss passes.
+  void step_adaptive(Network& net, const AdaptiveLoss& loss) {
+    if (!tune_) throw std::logic_error("KfacSgd::step_adaptive without KfacSettings::adaptive");
+    Kokkos::Profiling::pushRegion("kfac::examples::kfac");
+    auto t0 = std::chrono::steady_clock::now();
+    if (settings_.weight_decay > 0) add_weight_decay(params_, settings_.weight_decay);
+    observe(net, *serial_);
+    tune_->capture_gradient();
+    serial_->step();
+    kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    Kokkos::Profiling::popRegion();
+
+    kfac::OutputProducts<float, ExecSpace> products;
+    products.loss = loss.curvature;
+    products.outputs = as_matrix(loss.logits);
+    std::vector<ConstVector> along;
+    for (const Param& p : params_) along.push_back(p.grad);
+    const Matrix jp = as_matrix(net.rop(along));
+    const Matrix jp_copy = along_proposal_.matrix(jp.extent(0), jp.extent(1));
+    Kokkos::deep_copy(jp_copy, jp);
+    products.along_proposal = jp_copy;
+    if (tune_->needs_previous_product()) {
+      along.clear();
+      for (const Param& p : params_) along.push_back(tune_->previous_update(p.name));
+      products.along_previous = as_matrix(net.rop(along));
+    }
+    t0 = std::chrono::steady_clock::now();
+    tune_->solve(products);
+    for (const Param& p : params_) add_scaled(-1.0f, p.grad, p.value);
+    Kokkos::fence();
+    kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (tune_->wants_loss_change()) tune_->update_damping(loss.before, loss.after());
+  }
+
+  /// \brief Self-tuned: the settings' state (lambda, the last step's alpha and mu); null otherwise.
+  const kfac::SelfTuning<float, ExecSpace>* tuning() const { return tune_.get(); }
 
   /// \brief Seconds spent in kfac (observe_*, set_gradient and step()) on this rank so far.
   double kfac_seconds() const { return kfac_seconds_; }
@@ -450,6 +532,19 @@ class KfacSgd {
 
   template <class Pre>
   static void precondition(Network& net, Pre& pre) {
+    observe(net, pre);
+    pre.step();
+  }
+
+  /// grad += weight_decay * value on the parameters that decay.
+  static void add_weight_decay(const std::vector<Param>& params, double weight_decay) {
+    for (const Param& p : params)
+      if (p.decay) add_scaled(float(weight_decay), p.value, p.grad);
+  }
+
+  /// Hands `pre` the observations (when due) and the gradients of every registered layer.
+  template <class Pre>
+  static void observe(Network& net, Pre& pre) {
     const bool observe = pre.wants_observations();
     Kokkos::Profiling::pushRegion("kfac::examples::observe");
     net.for_each_layer([&](const std::string& name, const auto& layer) {
@@ -469,8 +564,12 @@ class KfacSgd {
       }
     });
     Kokkos::Profiling::popRegion();
-    pre.step();
   }
+
+  using Tuning = kfac::SelfTuning<float, ExecSpace>;
+  std::unique_ptr<Tuning> tune_;  ///< self-tuned (KfacSettings::adaptive) only
+  std::vector<Param> params_;     ///< self-tuned: the parameters the update moves
+  Buffer<float> along_proposal_{"nn::kfac::along_proposal"};
 
   // Held by pointer so that KfacSgd moves whatever kfac allows; exactly one is set.
   std::unique_ptr<SerialPreconditioner> serial_;

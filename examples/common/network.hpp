@@ -8,8 +8,10 @@
 #include "common/flatten.hpp"
 #include "common/max_pool2d.hpp"
 #include "common/relu.hpp"
+#include "common/sigmoid.hpp"
 
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <utility>
 #include <variant>
@@ -19,7 +21,14 @@ namespace nn {
 
 /// \brief Every layer kind the network knows; code that must tell them apart (the K-FAC glue)
 /// visits the variant, so a new kind is a compile error there rather than a silent skip.
-using Layer = std::variant<Dense, Conv2d, BatchNorm2d, ReLU, MaxPool2d, Flatten>;
+using Layer = std::variant<Dense, Conv2d, BatchNorm2d, ReLU, MaxPool2d, Flatten, Sigmoid>;
+
+/// \brief Whether a layer kind has a forward-mode pass, `rop(dx, direction)`.
+template <class L, class = void>
+struct supports_rop : std::false_type {};
+template <class L>
+struct supports_rop<L, std::void_t<decltype(std::declval<L&>().rop(Tensor(), std::vector<ConstVector>()))>>
+    : std::true_type {};
 
 class Network {
  public:
@@ -46,6 +55,46 @@ class Network {
       const bool need_dx = i > first_trainable;
       g = std::visit([&](auto& layer) { return layer.backward(g, need_dx); }, layers_[i].layer);
     }
+  }
+
+  /// \brief Forward mode (R-op): the Jacobian-vector product \f$J v\f$ of the outputs at the
+  /// input and parameters of the last forward pass, along a parameter direction v (one pass).
+  /// \param direction [in] one view per parameter, in params()' order, each of its size
+  /// \return (N, outputs, 1, 1), owned by the last layer until the next rop
+  /// \throws std::invalid_argument on a layer kind without an R-op (Conv2d, BatchNorm2d, MaxPool2d)
+  Tensor rop(const std::vector<ConstVector>& direction) {
+    std::size_t next = 0;
+    Tensor t;  // empty: zero, until the first layer with parameters
+    for (auto& l : layers_)
+      t = std::visit(
+          [&](auto& layer) -> Tensor {
+            using L = std::decay_t<decltype(layer)>;
+            const std::size_t count = layer.params().size();
+            if (next + count > direction.size())
+              throw std::invalid_argument("nn::Network::rop: " + std::to_string(direction.size()) +
+                                          " directions for more parameters");
+            std::vector<ConstVector> own(direction.begin() + long(next), direction.begin() + long(next + count));
+            next += count;
+            if constexpr (supports_rop<L>::value) {
+              return layer.rop(t, own);
+            } else {
+              throw std::invalid_argument("nn::Network::rop: layer '" + l.name + "' has no forward mode (R-op)");
+            }
+          },
+          l.layer);
+    if (next != direction.size())
+      throw std::invalid_argument("nn::Network::rop: " + std::to_string(direction.size()) + " directions for " +
+                                  std::to_string(next) + " parameters");
+    return t;
+  }
+
+  /// \brief Whether rop() serves every layer.
+  bool has_rop() const {
+    bool all = true;
+    for (const auto& l : layers_)
+      all = all && std::visit([](const auto& layer) { return supports_rop<std::decay_t<decltype(layer)>>::value; },
+                              l.layer);
+    return all;
   }
 
   std::vector<Param> params() const {
@@ -131,6 +180,22 @@ inline Network make_peer_cnn(std::uint64_t seed) {
   net.add("pool2", MaxPool2d());
   net.add("flatten", Flatten());
   net.add("fc", Dense(64 * 5 * 5, 10, true, Init::lecun, rng));
+  return net;
+}
+
+/// \brief The deep autoencoder of Hinton & Salakhutdinov (2006) as Martens & Grosse (2015,
+/// section 13) train it: 784-1000-500-250-30 and the mirrored decoder 30-250-500-1000-784,
+/// logistic units everywhere except the linear 30-unit code layer; the last layer's outputs are
+/// logits (the loss applies the output sigmoid: SigmoidCrossEntropy). Weights U(+-sqrt(3/fan_in)).
+inline Network make_autoencoder(std::uint64_t seed) {
+  SplitMix64 rng(derive_seed(seed, 1));
+  Network net;
+  net.add("flatten", Flatten());
+  const int widths[] = {784, 1000, 500, 250, 30, 250, 500, 1000, 784};
+  for (int i = 0; i < 8; ++i) {
+    net.add("fc" + std::to_string(i + 1), Dense(widths[i], widths[i + 1], true, Init::lecun, rng));
+    if (i != 3 && i != 7) net.add("sigmoid" + std::to_string(i + 1), Sigmoid());
+  }
   return net;
 }
 

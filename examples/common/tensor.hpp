@@ -19,6 +19,7 @@ using MemSpace = ExecSpace::memory_space;
 using Tensor = Kokkos::View<float****, Kokkos::LayoutRight, MemSpace>;  ///< (N, C, H, W)
 using Matrix = Kokkos::View<float**, Kokkos::LayoutRight, MemSpace>;    ///< row-major
 using Vector = Kokkos::View<float*, MemSpace>;
+using ConstVector = Kokkos::View<const float*, MemSpace>;  ///< a parameter direction (R-op)
 using Labels = Kokkos::View<int*, MemSpace>;
 
 /// \brief Index space of an elementwise kernel over (N, C, H, W). A multidimensional range keeps

@@ -89,6 +89,7 @@ inline KfacSettings default_kfac(const std::string& model) {
 /// | bool | average_momentum | average the SGD momentum buffers with the parameters (docs/parameter_averaging.md) | false |
 /// | RecipeSettings | recipe | name "none", or "large-batch": K-FAC under kfac::recipes::large_batch, SGD and Adam with its learning-rate plan (linear scaling from batch 256, warm-up, decay); `lr` is then the rate at batch 256 (its batch, steps per epoch and epochs are set here) | none |
 /// | double | epochs | length of training, for the recipe's decay | 8 |
+/// | (in kfac) | kfac.adaptive | self-tuned K-FAC: kfac::SelfTuning sets step, momentum, damping (lr 1) | false |
 struct TrainSettings {
   std::string model = "mlp";
   OptimizerKind optimizer = OptimizerKind::sgd;
@@ -156,7 +157,18 @@ class Trainer {
       if (lr_) adam->set_lr(lr_(steps_taken_));
       adam->step();
     }
-    if (auto* kfac = std::get_if<KfacSgd>(&rule_)) kfac->step(net_);
+    if (auto* kfac = std::get_if<KfacSgd>(&rule_)) {
+#if KFAC_EXAMPLES_HAVE_KFAC
+      if (settings_.kfac.adaptive) {
+        auto after = [&] { return loss_.forward(net_.forward(b.x, Mode::train), b.y).mean_loss(); };
+        kfac->step_adaptive(net_, AdaptiveLoss{loss_curvature(loss_), logits, stats.mean_loss(), after});
+      } else {
+        kfac->step(net_);
+      }
+#else
+      kfac->step(net_);
+#endif
+    }
     if (auto* ngsgd = std::get_if<NgsgdSgd>(&rule_)) ngsgd->step(net_);
     Kokkos::fence();
     just_averaged_ = averaging_ && averaging_->after_step(steps_taken_);
@@ -207,7 +219,11 @@ class Trainer {
   /// \brief The K-FAC rule, or null under another optimizer.
   const KfacSgd* kfac() const { return std::get_if<KfacSgd>(&rule_); }
   const TrainSettings& settings() const { return settings_; }
-  double lr() const { return settings_.lr > 0 ? settings_.lr : default_lr(settings_.optimizer, settings_.model); }
+  /// \brief The learning rate; self-tuned K-FAC: 1 (its update is applied as solved).
+  double lr() const {
+    if (settings_.optimizer == OptimizerKind::kfac && settings_.kfac.adaptive) return 1.0;
+    return settings_.lr > 0 ? settings_.lr : default_lr(settings_.optimizer, settings_.model);
+  }
 
  private:
   using Rule = std::variant<Sgd, Adam, KfacSgd, NgsgdSgd>;

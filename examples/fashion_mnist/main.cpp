@@ -10,6 +10,7 @@
 /// 256x256 factors, every step) costs about as much again as the step; on the CNN a step costs
 /// far more, K-FAC adds little to it, and reaches a given accuracy in fewer steps.
 
+#include "common/command_line.hpp"
 #include "common/trainer.hpp"
 #include "common/world.hpp"
 #include "fashion_mnist/report.hpp"
@@ -86,6 +87,10 @@ void usage() {
       "                                  by rows, then all-gather them (default 0)\n"
       "  --overlap-communication 0|1     under mpiexec: K-FAC's collectives as nonblocking ones overlapped with its\n"
       "                                  preconditioning (default 1; 0: blocking, the same bits)\n"
+      "  --adaptive                      self-tuned K-FAC (kfac::SelfTuning, its defaults): step size, momentum and\n"
+      "                                  damping from the exact curvature each step (R-op products), no lr, momentum,\n"
+      "                                  damping or KL clip to choose (those flags do not apply to kfac); one\n"
+      "                                  process, MLP models only (the CNNs' layers have no R-op)\n"
       "  --model-figures measured|defaults   machine figures of the K-FAC cost-model line: measured at start-up\n"
       "                                  by kfac::measure_machine_figures (about 1.5 s), or kfac::MachineFigures'\n"
       "                                  defaults (default measured)\n"
@@ -165,6 +170,10 @@ Args parse(const std::vector<std::string>& argv) {
     }
     if (key == "--append") {
       a.append = true;
+      continue;
+    }
+    if (key == "--adaptive") {
+      a.train.kfac.adaptive = true;
       continue;
     }
     const auto eq = key.find('=');
@@ -306,6 +315,7 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
       n += "+rank" + std::to_string(c.rank) + (c.factored_damping ? "f" : "");
     else if (c.inverse != d.inverse) n += "+" + c.inverse;
   }
+  if (k == nn::OptimizerKind::kfac && s.kfac.adaptive) n += "+adaptive";
   if (k == nn::OptimizerKind::kfac && s.kfac.factor_precision == "half") n += "+half";
   if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
   if (k == nn::OptimizerKind::kfac && s.kfac.eigen_refresh > 0) {
@@ -346,7 +356,10 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
                 schedule.c_str());
 
 #if KFAC_EXAMPLES_HAVE_KFAC
-  if (lead && s.recipe.name == "large-batch") {
+  if (lead && s.recipe.name == "large-batch" && s.optimizer == nn::OptimizerKind::kfac && s.kfac.adaptive) {
+    std::printf("[%s] recipe large-batch, self-tuned: the recipe's factor and decomposition intervals; step size, "
+                "momentum and damping from kfac::SelfTuning\n", name.c_str());
+  } else if (lead && s.recipe.name == "large-batch") {
     nn::RecipeSettings rs = s.recipe;
     rs.batch = trainer.batch_size();
     rs.steps_per_epoch = steps;
@@ -458,6 +471,15 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
                 name.c_str(), 1e3 * measured, 1e3 * c.step_s, args.figures.measured ? "measured" : "default", 1e3 * c.factors_s, 1e3 * c.averaging_s, c.factor_interval,
                 1e3 * c.decomposition_s, c.inv_interval, 1e3 * c.preconditioning_s, c.step_s / measured);
   }
+#if KFAC_EXAMPLES_HAVE_KFAC
+  if (const nn::KfacSgd* kfac = trainer.kfac(); kfac && lead && kfac->tuning()) {
+    const auto& t = *kfac->tuning();
+    std::printf("[%s] self-tuned: %ld solves, last alpha %.4g mu %.4g, damping %.4g after %ld updates "
+                "(last rho %.3g)\n",
+                name.c_str(), t.solves(), t.last_step().alpha, t.last_step().mu, t.lambda(), t.damping_updates(),
+                t.last_damping_update().rho);
+  }
+#endif
   if (const nn::KfacSgd* kfac = trainer.kfac(); kfac && lead && !kfac->chosen().empty())
     std::printf("[%s] distribution chosen by the cost model (--strategy auto): %s\n", name.c_str(), kfac->chosen().c_str());
   if (lead && world.size() > 1) {
@@ -594,13 +616,9 @@ class MpiSession {
 int main(int argc, char** argv) {
   MpiSession mpi(&argc, &argv);
   const nn::World world = mpi.world();
-  // Kokkos sees only its own --kokkos-* options: it would also claim plain ones like --threads.
-  std::vector<char*> kokkos_argv{argv[0]};
+  std::vector<char*> kokkos_argv;
   std::vector<std::string> own;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]).rfind("--kokkos-", 0) == 0) kokkos_argv.push_back(argv[i]);
-    else own.emplace_back(argv[i]);
-  }
+  nn::split_kokkos_options(argc, argv, kokkos_argv, own);
   Args args;
   try {
     args = parse(own);
