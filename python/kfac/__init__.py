@@ -33,6 +33,7 @@ from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.preconditioner import KFACPreconditioner
+from kfac.preconditioner import register_module
 from kfac.scheduler import LambdaParamScheduler
 
 atexit.register(_kfac.finalize)
@@ -46,4 +47,5 @@ __all__ = [
     'KFACError',
     'KFACPreconditioner',
     'LambdaParamScheduler',
+    'register_module',
 ]
