@@ -10,6 +10,10 @@
 
 #include "helpers.hpp"
 
+#include "feature_scale.hpp"  // a layer kind the tests define alone
+
+using kfac_test::FeatureScale;
+
 using namespace kfac_test;
 
 namespace {
@@ -297,33 +301,6 @@ TEST_CASE("LayerNorm's Fisher survives a checkpoint bit for bit", "[layer_norm][
   CHECK(same_bits(dba, dbb));
 }
 
-namespace {
-/// A layer kind defined here alone, with no file under include/ touched: a per-feature scale
-/// y = s * x over the last dimension (no shift). Its Fisher is that of LayerNorm(bias = false)
-/// fed the same x, so the two must agree bit for bit.
-struct FeatureScale {
-  static constexpr bool is_kronecker = false;
-  static constexpr const char* kind = "feature_scale";
-  long d;
-  kfac::index_t units() const { return d; }
-  bool bias() const { return false; }
-  kfac::index_t weight_rows() const { return d; }
-  kfac::index_t weight_cols() const { return 1; }
-  std::string describe() const { return std::string(kind) + "(d=" + std::to_string(d) + ")"; }
-  std::string check_input(const kfac::impl::Extents& e) const {
-    return kfac::impl::are_feature_rows(e, d) ? "" : "input has shape " + e.str() + ", expected (batch, tokens, d)";
-  }
-  std::string check_output_grad(const kfac::impl::Extents& e, const kfac::impl::Extents&) const {
-    return check_input(e);
-  }
-  template <class Exec, class XHat, class Grad, class Sums>
-  void add_unit_products(const Exec& exec, const XHat& x, const Grad& dy, double scale, const Sums& sums) const {
-    const int t = int(kfac::impl::tokens_of(kfac::impl::extents_of(dy), d));
-    kfac::impl::add_unit_products(exec, "test::feature_scale", x.data(), dy.data(), scale, int(dy.extent(0)), int(d), t,
-                                  std::size_t(t * d), 1, std::size_t(d), sums);
-  }
-};
-}  // namespace
 
 TEST_CASE("a layer kind from a test file registers with the default method, checks and the cost model",
           "[layer_kinds][seam]") {

@@ -14,6 +14,7 @@
 
 #include "kfac/checkpoint/serializer.hpp"
 #include "kfac/core/agreement.hpp"
+#include "kfac/core/any_layer.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/core/step_phases.hpp"
 #include "kfac/core/traits.hpp"
@@ -87,14 +88,22 @@ class Preconditioner {
                   "kfac::BatchNorm2d, kfac::LayerNorm, kfac::Embedding, kfac::Parameter)");
     static_assert(is_method_v<Method>, "kfac::register_layer: the third argument must be a method object (kfac::KFAC<...>, kfac::UnitWiseFisher<...>)");
     static_assert(Method::template accepts<LayerType>, "kfac::register_layer: this method does not handle this layer type");
+    register_layer(name, impl::any_layer<Scalar, Exec>(layer, method));
+  }
+  /// \brief Registers a layer and method whose types a front end chose at run time
+  /// (impl::any_layer(layer, method); the PyTorch adapters' kinds), with the same checks.
+  void register_layer(const std::string& name, const impl::AnyLayer<Scalar, Exec>& layer) {
     try {  // the layer's own settings, checked now rather than at its first step()
-      impl::overrides_of(method).values_at(options_, step_);
+      layer.overrides.values_at(options_, step_);
     } catch (const Error& e) {
       throw impl::about_layer(name, e);
     }
     for (const auto& e : reg_.entries())
       if (e.block->name() == name) throw Error(name, "a layer with this name is already registered");
-    allocating(name, "register_layer", [&] { add_entry(name, layer, method); });
+    allocating(name, "register_layer", [&] {
+      reg_.add([make = layer.make, name] { return make(name); }, layer.overrides, skipped(name, layer.kind.c_str()),
+               step_);
+    });
     // The new layer gets statistics and a decomposition at the next step, and so does every
     // layer (the work assignment changes, and ranks must agree on what is due).
     everything_due_at(step_);
@@ -108,12 +117,6 @@ class Preconditioner {
     if (step < 0) throw Error("", "set_step_count: expected a step >= 0, got " + std::to_string(step));
     step_ = step;
     everything_due_at(step);
-  }
-  /// Adds the block (public only for nvcc, which compiles kernels of the blocks it makes).
-  template <class LayerType, class Method>
-  void add_entry(const std::string& name, const LayerType& layer, const Method& method) {
-    reg_.add([method, name, layer] { return method.template make_block<Scalar, Exec>(name, layer); },
-             impl::overrides_of(method), skipped(name, LayerType::kind), step_);
   }
   /// \brief The policy-list form: default_method<LayerType> when no policy is given, else
   /// KFAC<FactorPolicy, Inversion, Prec> (Dense, Conv2d) or UnitWiseFisher<FactorPolicy, Prec>.

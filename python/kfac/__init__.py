@@ -34,6 +34,7 @@ from kfac.enums import AssignmentStrategy
 from kfac.enums import ComputeMethod
 from kfac.enums import DistributedStrategy
 from kfac.preconditioner import KFACPreconditioner
+from kfac.preconditioner import register_module
 from kfac.scheduler import LambdaParamScheduler
 from kfac.self_tuning import SelfTuning
 
@@ -50,4 +51,5 @@ __all__ = [
     'KFACPreconditioner',
     'LambdaParamScheduler',
     'SelfTuning',
+    'register_module',
 ]

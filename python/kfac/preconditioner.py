@@ -65,12 +65,70 @@ def _parameters_of(module: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
     return own
 
 
+@dataclasses.dataclass(frozen=True)
+class _ModuleKind:
+    """One module class kfac preconditions (register_module)."""
+
+    module_type: type
+    kind: str
+    describe: Callable[[torch.nn.Module, str], dict[str, Any] | None]
+    subclasses: bool
+    input: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
+    output_grad: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
+
+
+_MODULE_KINDS: list[_ModuleKind] = []
+
+
+def register_module(
+    module_type: type,
+    kind: str,
+    describe: Callable[[torch.nn.Module, str], dict[str, Any] | None],
+    *,
+    subclasses: bool = False,
+    input: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,  # noqa: A002
+    output_grad: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Registers a module class with one of the core's kinds, for the preconditioners built afterwards.
+
+    Args:
+        module_type: the torch.nn.Module class; its exact instances are matched, and with
+            subclasses=True the instances of its subclasses too. The last registration that
+            matches a module (and whose describe returns a dict) wins, so a class registered
+            again, or a subclass of a registered class, takes the new translation.
+        kind: the core's layer kind its modules become: one of kfac._kfac.core_kinds()
+            ('linear', 'conv2d', 'batch_norm', 'layer_norm', 'embedding', 'parameter'). A layer
+            kind of its own (its shape, its rows of A and G) needs C++ (docs/torch.md).
+        describe: describe(module, conventions) -> the kind's settings of this module
+            ('linear': in_features, out_features; 'layer_norm': num_features, eps,
+            normalized_dims; ... as the built-in registrations below give them), with 'weight' and
+            'bias' when they are not the module's attributes of those names; None: not this kind
+            under these conventions ('kfac-pytorch' or 'kfac').
+        input: input(module, x) -> the tensor the kind observes of one call's input x (default:
+            the kind's own, e.g. LayerNorm's normalized input).
+        output_grad: output_grad(module, g) -> the tensor it observes of the call's output
+            gradient (default: the kind's own).
+    """
+    if not isinstance(module_type, type) or not issubclass(module_type, torch.nn.Module):
+        raise TypeError(f'register_module: {module_type!r} is not a torch.nn.Module class')
+    kinds = _kfac.core_kinds()
+    if kind not in kinds:
+        raise ValueError(f"register_module: kind {kind!r} is not one of the core's kinds ({', '.join(kinds)})")
+    _MODULE_KINDS.append(_ModuleKind(module_type, kind, describe, subclasses, input, output_grad))
+
+
+def _kind_of(module: torch.nn.Module, conventions: str) -> tuple[_ModuleKind, dict[str, Any]] | None:
+    for k in reversed(_MODULE_KINDS):
+        if type(module) is k.module_type or (k.subclasses and isinstance(module, k.module_type)):
+            settings = k.describe(module, conventions)
+            if settings is not None:
+                return k, settings
+    return None
+
+
 def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str, Any]:
-    """What kfac's shared translation needs to know of one module owning parameters. Under
-    kfac-pytorch's conventions, subclasses of Linear and Conv2d count as theirs and BatchNorm2d,
-    LayerNorm and Embedding are left to the optimizer (kfac-pytorch's registration); under kfac's,
-    exact types only (a subclass may change what forward computes) and affine BatchNorm2d,
-    LayerNorm and Embedding too."""
+    """What kfac's shared translation needs to know of one module owning parameters: the kind
+    and settings of the last registration matching it (register_module), or type 'other'."""
     d: dict[str, Any] = {
         'name': name,
         'type_name': _type_name(module),
@@ -79,40 +137,78 @@ def _describe(name: str, module: torch.nn.Module, conventions: str) -> dict[str,
         'weight': getattr(module, 'weight', None),
         'bias': getattr(module, 'bias', None),
     }
-    ours = conventions == 'kfac-pytorch'
-    if type(module) is torch.nn.Linear or (ours and isinstance(module, torch.nn.Linear)):
-        d.update(type='linear', in_features=module.in_features, out_features=module.out_features)
-    elif type(module) is torch.nn.Conv2d or (ours and isinstance(module, torch.nn.Conv2d)):
-        d.update(
-            type='conv2d',
-            in_channels=module.in_channels,
-            out_channels=module.out_channels,
-            groups=module.groups,
-            kernel_size=tuple(module.kernel_size),
-            stride=tuple(module.stride),
-            dilation=tuple(module.dilation),
-            padding=module.padding if isinstance(module.padding, str) else tuple(module.padding),
-            padding_mode=module.padding_mode,
-        )
-    elif type(module) is torch.nn.BatchNorm2d and module.affine and not ours:
-        d.update(type='batch_norm', num_features=module.num_features, eps=module.eps)
-    elif type(module) is torch.nn.LayerNorm and not ours:
-        shape = tuple(module.normalized_shape)
-        d.update(type='layer_norm', num_features=shape[-1], normalized_dims=len(shape), eps=module.eps)
-    elif type(module) is torch.nn.Embedding and not ours:
-        d.update(
-            type='embedding',
-            num_embeddings=module.num_embeddings,
-            embedding_dim=module.embedding_dim,
-            padding_idx=module.padding_idx,
-            sparse=module.sparse,
-            scale_grad_by_freq=module.scale_grad_by_freq,
-        )
+    found = _kind_of(module, conventions)
+    if found is not None:
+        k, settings = found
+        d.update(settings, type=k.kind)
+        if k.input is not None:
+            d['input'] = functools.partial(k.input, module)
+        if k.output_grad is not None:
+            d['output_grad'] = functools.partial(k.output_grad, module)
     if not isinstance(d['weight'], torch.Tensor):
         d['weight'] = None
     if not isinstance(d['bias'], torch.Tensor):
         d['bias'] = None
     return d
+
+
+# The built-in module classes, registered as a user's are. Under kfac-pytorch's conventions,
+# subclasses of Linear and Conv2d count as theirs and BatchNorm2d, LayerNorm and Embedding are
+# left to the optimizer (kfac-pytorch's registration); under kfac's, exact types only (a subclass
+# may change what forward computes) and affine BatchNorm2d, LayerNorm and Embedding too.
+
+
+def _linear(m: torch.nn.Linear, conventions: str) -> dict[str, Any] | None:
+    if type(m) is not torch.nn.Linear and conventions != 'kfac-pytorch':
+        return None
+    return {'in_features': m.in_features, 'out_features': m.out_features}
+
+
+def _conv2d(m: torch.nn.Conv2d, conventions: str) -> dict[str, Any] | None:
+    if type(m) is not torch.nn.Conv2d and conventions != 'kfac-pytorch':
+        return None
+    return {
+        'in_channels': m.in_channels,
+        'out_channels': m.out_channels,
+        'groups': m.groups,
+        'kernel_size': tuple(m.kernel_size),
+        'stride': tuple(m.stride),
+        'dilation': tuple(m.dilation),
+        'padding': m.padding if isinstance(m.padding, str) else tuple(m.padding),
+        'padding_mode': m.padding_mode,
+    }
+
+
+def _batch_norm(m: torch.nn.BatchNorm2d, conventions: str) -> dict[str, Any] | None:
+    if not m.affine or conventions == 'kfac-pytorch':
+        return None
+    return {'num_features': m.num_features, 'eps': m.eps}
+
+
+def _layer_norm(m: torch.nn.LayerNorm, conventions: str) -> dict[str, Any] | None:
+    if conventions == 'kfac-pytorch':
+        return None
+    shape = tuple(m.normalized_shape)
+    return {'num_features': shape[-1], 'normalized_dims': len(shape), 'eps': m.eps}
+
+
+def _embedding(m: torch.nn.Embedding, conventions: str) -> dict[str, Any] | None:
+    if conventions == 'kfac-pytorch':
+        return None
+    return {
+        'num_embeddings': m.num_embeddings,
+        'embedding_dim': m.embedding_dim,
+        'padding_idx': m.padding_idx,
+        'sparse': m.sparse,
+        'scale_grad_by_freq': m.scale_grad_by_freq,
+    }
+
+
+register_module(torch.nn.Linear, 'linear', _linear, subclasses=True)
+register_module(torch.nn.Conv2d, 'conv2d', _conv2d, subclasses=True)
+register_module(torch.nn.BatchNorm2d, 'batch_norm', _batch_norm)
+register_module(torch.nn.LayerNorm, 'layer_norm', _layer_norm)
+register_module(torch.nn.Embedding, 'embedding', _embedding)
 
 
 class KFACPreconditioner(BaseKFACPreconditioner):

@@ -12,6 +12,7 @@
 #include <Kokkos_Core.hpp>
 #include <chrono>
 #include <kfac/adapters/torch.hpp>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -242,32 +243,42 @@ kfac::impl::TorchMethod method_from(const std::string& module, const py::dict& m
   return t;
 }
 
-/// One module's description from the Python side (kfac/preconditioner.py: _describe).
-TorchModuleSpec spec_from(const py::dict& d) {
-  TorchModuleSpec s;
-  s.name = d["name"].cast<std::string>();
-  s.type_name = d["type_name"].cast<std::string>();
-  const std::string type = d["type"].cast<std::string>();
-  s.type = type == "linear" ? TorchModuleSpec::Type::linear
-           : type == "conv2d" ? TorchModuleSpec::Type::conv2d
-           : type == "batch_norm" ? TorchModuleSpec::Type::batch_norm
-           : type == "layer_norm" ? TorchModuleSpec::Type::layer_norm
-           : type == "embedding"  ? TorchModuleSpec::Type::embedding
-           : type == "parameter"  ? TorchModuleSpec::Type::parameter
-                                  : TorchModuleSpec::Type::other;
-  s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
-  if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();
-  s.all_frozen = d.contains("all_frozen") && d["all_frozen"].cast<bool>();
-  if (d.contains("method")) s.method = method_from(s.name, d["method"].cast<py::dict>());
-  // kfac-pytorch's Conv2d factor scaling (docs/python.md, Conventions).
-  if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch")
-    s.conv_scaling = kfac::Conv2d::FactorScaling::kfac_pytorch;
-  if (d.contains("weight") && !d["weight"].is_none()) s.weight = d["weight"].cast<at::Tensor>();
-  if (d.contains("bias") && !d["bias"].is_none()) s.bias = d["bias"].cast<at::Tensor>();
-  if (s.type == TorchModuleSpec::Type::linear) {
-    s.in_features = d["in_features"].cast<int64_t>();
-    s.out_features = d["out_features"].cast<int64_t>();
-  } else if (s.type == TorchModuleSpec::Type::conv2d) {
+// ---- the core's kinds: the layer a module description of each kind becomes -------------------
+// Python maps module classes onto these kinds (kfac.register_module, kfac/modules.py); a kind of
+// its own needs a layer policy, which only C++ can define (docs/python.md).
+
+using kfac::impl::TorchLayer;
+using Methods = kfac::impl::TorchMethods;
+/// One kind's reading of a module description (its settings, weight and bias) into its layer.
+using KindReader = std::function<std::optional<TorchLayer>(const py::dict&, const kfac::impl::TorchMethod&,
+                                                           const kfac::impl::TorchContext&, std::string& problem)>;
+
+at::Tensor tensor_or_none(const py::dict& d, const char* key) {
+  return d.contains(key) && !d[key].is_none() ? d[key].cast<at::Tensor>() : at::Tensor();
+}
+
+/// The core's kinds by name (the 'type' of a module description).
+struct CoreKinds {
+  std::map<std::string, KindReader> readers;
+  CoreKinds();
+  void add(const std::string& name, KindReader read) { readers[name] = std::move(read); }
+};
+CoreKinds& core_kinds() {
+  static CoreKinds kinds;
+  return kinds;
+}
+
+/// The built-in kinds, every method and precision (kfac.methods offers them all).
+CoreKinds::CoreKinds() {
+  constexpr Methods all = Methods::all;
+  using kfac::impl::TorchContext;
+  using kfac::impl::TorchMethod;
+  add("linear", [](const py::dict& d, const TorchMethod& m, const TorchContext& ctx, std::string&) {
+    return kfac::impl::torch_linear<all>(d["in_features"].cast<int64_t>(), d["out_features"].cast<int64_t>(),
+                                         tensor_or_none(d, "weight"), tensor_or_none(d, "bias"), m, ctx);
+  });
+  add("conv2d", [](const py::dict& d, const TorchMethod& m, const TorchContext&, std::string& problem) {
+    kfac::impl::TorchConv2dSettings s;
     s.in_channels = d["in_channels"].cast<int64_t>();
     s.out_channels = d["out_channels"].cast<int64_t>();
     s.groups = d["groups"].cast<int64_t>();
@@ -278,22 +289,77 @@ TorchModuleSpec spec_from(const py::dict& d) {
     if (py::isinstance<py::str>(pad)) {
       const std::string p = pad.cast<std::string>();
       s.padding_same = p == "same";
-      if (p != "same" && p != "valid") throw kfac::Error(s.name, "padding '" + p + "': expected 'same', 'valid' or numbers");
+      if (p != "same" && p != "valid")
+        throw kfac::Error(d["name"].cast<std::string>(), "padding '" + p + "': expected 'same', 'valid' or numbers");
     } else {
       s.padding = pair_of<int64_t, 2>(pad);
     }
     s.padding_mode = d["padding_mode"].cast<std::string>();
-  } else if (s.type == TorchModuleSpec::Type::batch_norm || s.type == TorchModuleSpec::Type::layer_norm) {
-    s.num_features = d["num_features"].cast<int64_t>();
-    s.eps = d["eps"].cast<double>();
-    if (d.contains("normalized_dims")) s.normalized_dims = d["normalized_dims"].cast<int64_t>();
-  } else if (s.type == TorchModuleSpec::Type::embedding) {
+    // kfac-pytorch's Conv2d factor scaling (docs/python.md, Conventions).
+    if (d.contains("conventions") && d["conventions"].cast<std::string>() == "kfac-pytorch")
+      s.scaling = kfac::Conv2d::FactorScaling::kfac_pytorch;
+    return kfac::impl::torch_conv2d<all>(s, tensor_or_none(d, "weight"), tensor_or_none(d, "bias"), m, problem);
+  });
+  add("batch_norm", [](const py::dict& d, const TorchMethod& m, const TorchContext&, std::string&) {
+    return kfac::impl::torch_batch_norm<all>(d["num_features"].cast<int64_t>(), d["eps"].cast<double>(),
+                                             tensor_or_none(d, "weight"), tensor_or_none(d, "bias"), m.precision);
+  });
+  add("layer_norm", [](const py::dict& d, const TorchMethod& m, const TorchContext&, std::string& problem) {
+    const int64_t dims = d.contains("normalized_dims") ? d["normalized_dims"].cast<int64_t>() : 1;
+    return kfac::impl::torch_layer_norm<all>(d["num_features"].cast<int64_t>(), dims, d["eps"].cast<double>(),
+                                             tensor_or_none(d, "weight"), tensor_or_none(d, "bias"), m.precision,
+                                             problem);
+  });
+  add("embedding", [](const py::dict& d, const TorchMethod& m, const TorchContext& ctx, std::string& problem) {
+    kfac::impl::TorchEmbeddingSettings s;
     s.num_embeddings = d["num_embeddings"].cast<int64_t>();
     s.embedding_dim = d["embedding_dim"].cast<int64_t>();
     if (!d["padding_idx"].is_none()) s.padding_idx = d["padding_idx"].cast<int64_t>();
     s.sparse = d["sparse"].cast<bool>();
     s.scale_grad_by_freq = d["scale_grad_by_freq"].cast<bool>();
-  }
+    return kfac::impl::torch_embedding<all>(s, tensor_or_none(d, "weight"), m, ctx.front, problem);
+  });
+  add("parameter", [](const py::dict& d, const TorchMethod& m, const TorchContext&, std::string& problem) {
+    return kfac::impl::torch_parameter<all>(tensor_or_none(d, "weight"), m.precision, problem);
+  });
+}
+
+/// A Python callable (tensor -> tensor) as a view of a capture: the module's own translation of
+/// its observations (kfac.register_module's input= and output_grad=).
+kfac::impl::TorchView python_view(py::object f) {
+  auto held = std::make_shared<py::object>(std::move(f));
+  return [held](const kfac::impl::TorchCapture& c, const at::Tensor& t) {
+    py::gil_scoped_acquire gil;
+    const py::object seen = (*held)(t);
+    if (!THPVariable_Check(seen.ptr()))
+      throw kfac::Error(c.name, "its observation function returned a " +
+                                    std::string(py::str(py::type::of(seen).attr("__name__"))) + ", not a tensor");
+    return seen.cast<at::Tensor>();
+  };
+}
+
+/// One module's description from the Python side (kfac/preconditioner.py: _describe): its kind
+/// ('type'), read by that kind when the core registers it.
+TorchModuleSpec spec_from(const py::dict& d) {
+  TorchModuleSpec s;
+  s.name = d["name"].cast<std::string>();
+  s.type_name = d["type_name"].cast<std::string>();
+  s.skipped = d.contains("skipped") && d["skipped"].cast<bool>();
+  if (d.contains("skip_reason")) s.skip_reason = d["skip_reason"].cast<std::string>();
+  s.all_frozen = d.contains("all_frozen") && d["all_frozen"].cast<bool>();
+  const std::string type = d["type"].cast<std::string>();
+  if (type == "other") return s;
+  const auto kind = core_kinds().readers.find(type);
+  if (kind == core_kinds().readers.end()) throw kfac::Error(s.name, "kind '" + type + "': not one of the core's kinds");
+  kfac::impl::TorchMethod method;
+  if (d.contains("method")) method = method_from(s.name, d["method"].cast<py::dict>());
+  const KindReader read = kind->second;
+  s.translate = [d, method, read](const kfac::impl::TorchContext& ctx, std::string& problem) {
+    std::optional<TorchLayer> t = read(d, method, ctx, problem);
+    if (t && d.contains("input") && !d["input"].is_none()) t->input = python_view(d["input"]);
+    if (t && d.contains("output_grad") && !d["output_grad"].is_none()) t->output_grad = python_view(d["output_grad"]);
+    return t;
+  };
   return s;
 }
 
@@ -509,6 +575,11 @@ PYBIND11_MODULE(_kfac, m) {
   register_self_tuning(m);
   m.def("finalize", &finalize, "Frees every preconditioner's state and finalizes Kokkos (registered with atexit)");
   m.def("kokkos_initialized", [] { return Kokkos::is_initialized(); });
+  m.def("core_kinds", [] {
+    std::vector<std::string> v;
+    for (const auto& k : core_kinds().readers) v.push_back(k.first);
+    return v;
+  }, "The kinds a module class can be mapped onto (kfac.register_module)");
 #if KFAC_HAVE_MPI
   m.def("has_mpi", [] { return true; }, "True when built with MPI (mpi_comm= works)");
 #else

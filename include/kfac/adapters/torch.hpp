@@ -105,6 +105,7 @@ class TorchPreconditioner;
 }  // namespace kfac
 
 #include "kfac/adapters/impl/torch_core.hpp"
+#include "kfac/adapters/impl/torch_kinds.hpp"
 
 namespace kfac {
 
@@ -119,6 +120,45 @@ inline const TorchFrontEnd& cpp_front_end() {
       "state how tokens reduce with TorchOptions::with_token_reduction(TokenReduction::expand or ::reduce)"};
   return f;
 }
+
+/// \brief The C++ front end's module types: each LibTorch module class with its kfac kind and
+/// translation, the built-in ones first. A module takes the translation of the last registered
+/// class it is an instance of (dynamic_cast: a subclass of torch::nn::LinearImpl is a Linear
+/// unless its own class is registered).
+class TorchModuleKinds {
+ public:
+  using Translate = std::function<std::optional<TorchLayer>(const torch::nn::Module&, const TorchContext&,
+                                                             std::string& problem)>;
+  struct Kind {
+    std::string kind;  ///< kfac's layer kind, as TorchOptions::with_skip names it
+    std::function<bool(const torch::nn::Module&)> matches;
+    Translate translate;
+  };
+  static TorchModuleKinds& instance() {
+    static TorchModuleKinds r;
+    return r;
+  }
+  template <class ModuleImpl, class F>
+  void add(std::string kind, F translate) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    kinds_.push_back(Kind{std::move(kind), [](const torch::nn::Module& m) { return m.as<ModuleImpl>() != nullptr; },
+                          [translate](const torch::nn::Module& m, const TorchContext& ctx, std::string& problem) {
+                            return std::optional<TorchLayer>(translate(*m.as<ModuleImpl>(), ctx, problem));
+                          }});
+  }
+  /// The kind `m` takes; nullptr when no registered class matches it.
+  std::shared_ptr<const Kind> find(const torch::nn::Module& m) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (std::size_t i = kinds_.size(); i-- > 0;)
+      if (kinds_[i].matches(m)) return std::make_shared<const Kind>(kinds_[i]);
+    return nullptr;
+  }
+
+ private:
+  TorchModuleKinds();
+  mutable std::mutex mutex_;
+  std::vector<Kind> kinds_;
+};
 
 /// Module -> capture, for observed(); one TorchPreconditioner per module at a time.
 class TorchRegistry {
@@ -163,6 +203,26 @@ namespace adapters {
 /// or `std::shared_ptr` to a module.
 template <class ModuleRef>
 at::Tensor observed(ModuleRef& module, const at::Tensor& x);
+
+/// \brief One module as kfac sees it (impl::TorchLayer): the layer and method, the parameters
+/// it preconditions, and how a call's input (and output gradient) become its observations.
+using TorchLayer = impl::TorchLayer;
+/// What a translation is handed besides the module: the front end's wording and token reduction.
+using TorchContext = impl::TorchContext;
+using impl::torch_layer;
+
+/// \brief Registers a LibTorch module class as a kfac kind, for every TorchPreconditioner built
+/// afterwards: a module that is a `ModuleImpl` (or derives from it, unless its own class is
+/// registered) is translated by `translate(const ModuleImpl&, const TorchContext&, std::string&
+/// problem)`, which returns its TorchLayer (`torch_layer(layer, method, input)` builds one), or
+/// std::nullopt with the reason kfac cannot handle the module in `problem`. `kind` is the layer's
+/// kind as TorchOptions::with_skip names it. The built-in kinds (Linear, Conv2d, BatchNorm2d,
+/// LayerNorm, Embedding) are registered the same way; registering one of their classes again
+/// replaces its translation. docs/torch.md, "A module kind of your own".
+template <class ModuleImpl, class Translate>
+void register_torch_module(std::string kind, Translate translate) {
+  impl::TorchModuleKinds::instance().add<ModuleImpl>(std::move(kind), std::move(translate));
+}
 
 /// \brief K-FAC for the Linear, Conv2d, BatchNorm2d, LayerNorm and Embedding modules of a LibTorch model (CPU).
 /// Under MPI (TorchOptions::with_mpi) every rank builds one from the same model and calls
@@ -215,7 +275,7 @@ class TorchPreconditioner {
   Preconditioner<Scalar, impl::TorchExec, Comm>& preconditioner();
 
  private:
-  bool is_skipped(const std::string& name, const torch::nn::Module& m) const;
+  bool is_skipped(const std::string& name, const torch::nn::Module& m, const std::string& kind) const;
 
   TorchOptions torch_options_;
   std::unique_ptr<impl::TorchCore> core_;

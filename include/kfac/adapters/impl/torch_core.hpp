@@ -5,14 +5,18 @@
 /// (kfac/adapters/torch.hpp, modules seen through `observed()`) and the Python package
 /// (python/, modules seen through forward-pre and full-backward hooks).
 ///
-/// A front end describes each module that owns parameters as a TorchModuleSpec (what it is, its
-/// settings, its parameter tensors, whether its skip list matched it); TorchCore checks them all,
-/// names every module it cannot handle in one kfac::Error, picks the Preconditioner's Scalar from
-/// the parameters' dtype, registers the layers, and keeps one TorchCapture per module into which
-/// the front end's hooks record inputs and output gradients. Included by torch.hpp after
-/// TorchOptions; not a header of its own for users.
+/// A front end describes each module that owns parameters as a TorchModuleSpec (its name, type,
+/// whether its skip list matched it, and the translation its module-type registry found for it:
+/// a function that returns the module's TorchLayer or the reason it has none). TorchCore checks
+/// them all, names every module it cannot handle in one kfac::Error, picks the Preconditioner's
+/// Scalar from the parameters' dtype, registers the layers, and keeps one TorchCapture per module
+/// into which the front end's hooks record inputs and output gradients. Nothing here names a
+/// layer kind: the built-in kinds' translations are in torch_kinds.hpp, registered by each front
+/// end as a user registers a kind of their own. Included by torch.hpp after TorchOptions; not a
+/// header of its own for users.
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -25,8 +29,6 @@
 
 namespace kfac {
 namespace impl {
-
-enum class TorchKind { dense, conv2d, batch_norm, layer_norm, embedding, parameter };
 
 /// \brief The scalar types of a module's factors and decompositions (kfac::Precision<F, D>).
 enum class TorchPrecision {
@@ -59,42 +61,73 @@ struct TorchFrontEnd {
   const char* token_hint;      ///< how to choose a token reduction
 };
 
+using TorchExec = Kokkos::DefaultHostExecutionSpace;
+
+struct TorchCapture;
+/// What kfac sees of a tensor one call of a module recorded (its input, its output gradient).
+using TorchView = std::function<at::Tensor(const TorchCapture&, const at::Tensor&)>;
+
+/// \brief One module as kfac sees it: the kfac layer and method a kind's translation built for
+/// it (a block factory per Scalar), the parameters whose gradients it preconditions, and how
+/// the captured tensors become the observations the layer takes. Built by torch_layer() or a
+/// built-in kind's translation (torch_kinds.hpp).
+struct TorchLayer {
+  std::string kind;         ///< kfac's layer kind ("dense"), as skip lists name it
+  at::Tensor weight, bias;  ///< the parameters preconditioned in place; `bias` undefined when absent
+  std::function<AnyLayer<float, TorchExec>(const std::string& name)> as_float;    ///< float parameters
+  std::function<AnyLayer<double, TorchExec>(const std::string& name)> as_double;  ///< float64 parameters
+  TorchView input;        ///< what kfac sees of one call's input (detached, on the CPU); checks it
+  TorchView output_grad;  ///< of its output gradient; empty: the gradient as it comes
+  /// The weight's gradient as the layer takes it (a view); empty: as it is.
+  std::function<at::Tensor(const at::Tensor&)> weight_grad;
+  std::function<std::string(at::ScalarType)> dtype_problem;  ///< why the parameters' dtype does not do; empty: any
+  bool flattens_tokens = false;  ///< kfac-pytorch's expand flattens its tokens into the batch (Linear)
+
+  template <class Scalar>
+  AnyLayer<Scalar, TorchExec> make(const std::string& name) const {
+    if constexpr (std::is_same<Scalar, float>::value) return as_float(name);
+    else return as_double(name);
+  }
+};
+
+/// \brief Builds `layer` under `method` for either Scalar: a method whose precision is the
+/// Preconditioner's Scalar (every default method) serves float and float64 parameters alike.
+/// `input` turns one call's input into the observation the layer takes.
+template <class LayerType, class Method>
+TorchLayer torch_layer(const LayerType& layer, const Method& method, TorchView input) {
+  TorchLayer t;
+  t.kind = LayerType::kind;
+  t.as_float = [layer, method](const std::string&) { return any_layer<float, TorchExec>(layer, method); };
+  t.as_double = [layer, method](const std::string&) { return any_layer<double, TorchExec>(layer, method); };
+  t.input = std::move(input);
+  return t;
+}
+
+/// What a kind's translation is handed besides the module.
+struct TorchContext {
+  const TorchFrontEnd& front;
+  adapters::TokenReduction tokens;  ///< how Linear modules reduce tokens
+};
+/// One module's translation: its TorchLayer, or std::nullopt with the reason in `problem`.
+using TorchTranslate = std::function<std::optional<TorchLayer>(const TorchContext&, std::string& problem)>;
+
 /// \brief One module that owns parameters, as a front end found it.
 struct TorchModuleSpec {
-  /// parameter: one parameter tensor (`weight`) under the diagonal Fisher, the generic fallback;
-  /// its front end records only the sample count of each call of the module owning it.
-  enum class Type { linear, conv2d, batch_norm, layer_norm, embedding, parameter, other };
   std::string name;       ///< path in the model ("features.0"; "root" for the model itself)
   std::string type_name;  ///< the type as the front end spells it ("torch::nn::Conv2d", "torch.nn.Conv2d")
-  Type type = Type::other;
   bool skipped = false;     ///< left out by the front end: matched by its skip list, or `skip_reason`
   std::string skip_reason;  ///< why, when not the skip list (listed by skipped())
   bool all_frozen = false;  ///< every parameter it owns has requires_grad = false
-  TorchMethod method;  ///< Linear, Conv2d, Embedding: the method; BatchNorm2d, LayerNorm: its precision only
-  Conv2d::FactorScaling conv_scaling = Conv2d::FactorScaling::kfc;  ///< Conv2d: KFC's or kfac-pytorch's factors
-  at::Tensor weight, bias;  ///< undefined when absent
-  int64_t in_features = 0, out_features = 0;                      ///< Linear
-  int64_t in_channels = 0, out_channels = 0, groups = 1;          ///< Conv2d
-  std::array<int64_t, 2> kernel{{1, 1}}, stride{{1, 1}}, dilation{{1, 1}}, padding{{0, 0}};
-  bool padding_same = false;
-  std::string padding_mode = "zeros";
-  int64_t num_features = 0;    ///< BatchNorm2d; LayerNorm: the size of its last normalized dimension
-  int64_t normalized_dims = 1;  ///< LayerNorm: the dimensions it normalizes over (kfac: the last one)
-  double eps = 1e-5;
-  int64_t num_embeddings = 0, embedding_dim = 0;  ///< Embedding
-  std::optional<int64_t> padding_idx;            ///< Embedding: as the module holds it (negative: from the end)
-  bool sparse = false;                            ///< Embedding: sparse gradients (refused)
-  bool scale_grad_by_freq = false;                ///< Embedding: rows' gradients divided by their counts (refused)
+  TorchTranslate translate;  ///< empty: no kind registered for its type
 };
 
 /// What a front end records for one registered module between two precondition() calls.
 struct TorchCapture {
   std::string name;
-  TorchKind kind = TorchKind::dense;
+  std::shared_ptr<const TorchLayer> layer;  ///< its observations' shapes
   adapters::TokenReduction tokens = adapters::TokenReduction::none;
   bool flatten_tokens = false;  ///< expand as kfac-pytorch does: tokens flattened into the batch
   const TorchFrontEnd* front = nullptr;
-  double bn_eps = 1e-5;  ///< BatchNorm2d, LayerNorm
   bool wanted = true;   ///< the next step updates this module's statistics
   long generation = 0;  ///< bumped when the observations are dropped; stale hooks then do nothing
   std::mutex mutex;     ///< hooks may run on autograd's threads
@@ -163,76 +196,24 @@ inline at::Tensor torch_tokens(const TorchCapture& c, const at::Tensor& t) {
   return c.flatten_tokens ? t.reshape({-1, width}) : t.reshape({t.size(0), -1, width});
 }
 
-/// What kfac sees of one call's input: the input itself (Linear, Conv2d), a Linear's input over
-/// tokens as (batch, tokens, in) (kfac's Dense reduces the tokens as the module's TokenReduction
-/// says) or, under kfac-pytorch's conventions, flattened into (batch x tokens, in), or the
-/// normalized input x̂ (BatchNorm2d). No copy unless x̂ needs one.
+/// What kfac sees of one call's input: its kind's view of the detached input (TorchLayer::input).
 inline at::Tensor torch_observation(const TorchCapture& c, const at::Tensor& x) {
   const std::string dev = torch_device_problem(x, "the input");
   if (!dev.empty()) throw Error(c.name, dev);
-  const at::Tensor xd = x.detach();
-  switch (c.kind) {
-    case TorchKind::dense: {
-      if (xd.dim() == 2) return xd;
-      if (xd.dim() < 2) throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batch dimension (batch, in)");
-      if (c.tokens == adapters::TokenReduction::none)
-        throw Error(c.name, "input has shape " + torch_shape(xd) + " (a sequence: batch, tokens, ..., in); " +
-                                c.front->token_hint);
-      return torch_tokens(c, xd);
-    }
-    case TorchKind::conv2d:
-      if (xd.dim() != 4) throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batched (N, C, H, W) input");
-      return xd;
-    case TorchKind::batch_norm: {
-      if (xd.dim() != 4) throw Error(c.name, "input has shape " + torch_shape(xd) + ", expected (N, C, H, W)");
-      // Training mode normalizes with the batch mean and the biased batch variance.
-      const at::Tensor mean = xd.mean({0, 2, 3}, /*keepdim=*/true);
-      const at::Tensor var = xd.var({0, 2, 3}, /*unbiased=*/false, /*keepdim=*/true);
-      return (xd - mean) * torch::rsqrt(var + c.bn_eps);
-    }
-    case TorchKind::layer_norm: {
-      if (xd.dim() < 2)
-        throw Error(c.name, "input has shape " + torch_shape(xd) + "; kfac needs a batch dimension (batch, ..., D)");
-      // Each row normalized over its last dimension, with the biased variance, as the module does.
-      const at::Tensor mean = xd.mean({-1}, /*keepdim=*/true);
-      const at::Tensor var = xd.var({-1}, /*unbiased=*/false, /*keepdim=*/true);
-      const at::Tensor xhat = (xd - mean) * torch::rsqrt(var + c.bn_eps);
-      return xd.dim() == 2 ? xhat : torch_tokens(c, xhat);
-    }
-    case TorchKind::embedding: {
-      if (!c10::isIntegralType(xd.scalar_type(), /*includeBool=*/false))
-        throw Error(c.name, std::string("input of dtype ") + c10::toString(xd.scalar_type()) +
-                                "; an Embedding's input is integer token ids");
-      if (xd.dim() < 1)
-        throw Error(c.name, "input has shape (); kfac needs token ids of shape (batch) or (batch, tokens)");
-      // The ids as they are (the backend's Scalar at precondition()); tokens over several
-      // dimensions are one run of tokens per sample, as torch_tokens reshapes a Linear's.
-      return xd.dim() <= 2 ? xd : xd.reshape({xd.size(0), -1});
-    }
-    case TorchKind::parameter:  // the sample count: any tensor whose first extent is the batch
-      if (xd.dim() < 1) throw Error(c.name, "sample count of shape (); expected a tensor of shape (batch, ...)");
-      return xd.reshape({xd.size(0), -1});
-  }
-  return xd;
+  return c.layer->input(c, x.detach());
 }
 
 /// The output gradient as kfac sees it, shaped like the call's input.
 inline at::Tensor torch_output_grad(const TorchCapture& c, const at::Tensor& g) {
-  const bool over_features =
-      c.kind == TorchKind::dense || c.kind == TorchKind::layer_norm || c.kind == TorchKind::embedding;
-  return over_features && g.dim() > 2 ? torch_tokens(c, g) : g;
+  return c.layer->output_grad ? c.layer->output_grad(c, g) : g;
 }
 
 /// The type-erased Preconditioner: one implementation per Scalar (float, double) and communicator.
 class TorchBackend {
  public:
   virtual ~TorchBackend() = default;
-  virtual void add(const std::string& name, const Dense& l, const TorchMethod& m) = 0;
-  virtual void add(const std::string& name, const Conv2d& l, const TorchMethod& m) = 0;
-  virtual void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) = 0;
-  virtual void add(const std::string& name, const LayerNorm& l, TorchPrecision p) = 0;
-  virtual void add(const std::string& name, const Embedding& l, const TorchMethod& m) = 0;
-  virtual void add(const std::string& name, const Parameter& l, TorchPrecision p) = 0;
+  /// Registers `layer` under `name` (its factory of the backend's Scalar).
+  virtual void add(const std::string& name, const TorchLayer& layer) = 0;
   virtual bool wants_observations() const = 0;
   virtual bool wants_observations(const std::string& name) const = 0;
   virtual bool is_skipped(const std::string& name) const = 0;
@@ -254,16 +235,15 @@ class TorchBackend {
   virtual bool load(const std::string& bytes) = 0;
 };
 
-using TorchExec = Kokkos::DefaultHostExecutionSpace;
-
-/// \brief The methods a backend can build. Each (method, precision) pair is a block type the
-/// backend's translation unit compiles (about 50 per Scalar for `all`), so a front end that
-/// offers no choice of method builds `default_only`: K-FAC with eigendecompositions,
-/// BatchNorm's or LayerNorm's unit-wise Fisher and Embedding's EmbeddingFisher<>, in the
-/// parameters' precision.
+/// \brief The methods a front end's built-in kinds can build (torch_kinds.hpp). Each (method,
+/// precision) pair is a block type the front end's translation unit compiles (about 50 per Scalar
+/// for `all`), so a front end that offers no choice of method builds `default_only`: K-FAC with
+/// eigendecompositions, BatchNorm's or LayerNorm's unit-wise Fisher, Embedding's EmbeddingFisher<>
+/// and Parameter's DiagonalFisher<>, in the parameters' precision.
 enum class TorchMethods { all, default_only };
 
-template <class Scalar, class Comm, TorchMethods Set = TorchMethods::all>
+/// The Preconditioner of one Scalar and communicator; the block types are the kinds' (TorchLayer).
+template <class Scalar, class Comm>
 class TorchBackendOf final : public TorchBackend {
  public:
   using preconditioner_type = Preconditioner<Scalar, TorchExec, Comm>;
@@ -272,12 +252,9 @@ class TorchBackendOf final : public TorchBackend {
   TorchBackendOf(Options o, Comm comm, Kaisa kaisa)
       : pre_(std::move(o), TorchExec{}, std::move(comm), std::move(kaisa)) {}
 
-  void add(const std::string& name, const Dense& l, const TorchMethod& m) override { add_kronecker(name, l, m); }
-  void add(const std::string& name, const Conv2d& l, const TorchMethod& m) override { add_kronecker(name, l, m); }
-  void add(const std::string& name, const BatchNorm2d& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
-  void add(const std::string& name, const LayerNorm& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
-  void add(const std::string& name, const Embedding& l, const TorchMethod& m) override { add_embedding(name, l, m); }
-  void add(const std::string& name, const Parameter& l, TorchPrecision p) override { add_unit_wise(name, l, p); }
+  void add(const std::string& name, const TorchLayer& layer) override {
+    pre_.register_layer(name, layer.template make<Scalar>(name));
+  }
   bool wants_observations() const override { return pre_.wants_observations(); }
   bool wants_observations(const std::string& name) const override { return pre_.wants_observations(name); }
   bool is_skipped(const std::string& name) const override { return pre_.is_skipped(name); }
@@ -322,80 +299,7 @@ class TorchBackendOf final : public TorchBackend {
     else if (t.dim() == 2) f(adapters::from_raw(p, n(t, 0), n(t, 1)));
     else f(adapters::from_raw(p, n(t, 0)));
   }
-  /// Calls `f` with the Precision<F, D> that `p` names (the Scalar's for TorchPrecision::scalar).
-  template <class F>
-  static void with_precision(TorchPrecision p, F&& f) {
-    switch (p) {
-      case TorchPrecision::scalar: return f(Precision<Scalar>{});
-      case TorchPrecision::half_float: return f(HalfPrecision{});
-      case TorchPrecision::float_float: return f(SinglePrecision{});
-      case TorchPrecision::float_double: return f(MixedPrecision{});
-      case TorchPrecision::double_double: return f(DoublePrecision{});
-      case TorchPrecision::double_float: return f(Precision<double, float>{});
-    }
-  }
-  /// A unit-wise layer's UnitWiseFisher, or a Parameter's DiagonalFisher, in the precision `p` names.
-  template <class Layer>
-  void add_unit_wise(const std::string& name, const Layer& l, TorchPrecision p) {
-    if constexpr (Set == TorchMethods::default_only) {
-      if (p != TorchPrecision::scalar) throw Error(name, not_offered(Layer::kind));
-      if constexpr (std::is_same<Layer, Parameter>::value)
-        pre_.register_layer(name, l, DiagonalFisher<Precision<Scalar>>{});
-      else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, Precision<Scalar>>{});
-    } else {
-      with_precision(p, [&](auto prec) {
-        using P = decltype(prec);
-        if constexpr (std::is_same<typename P::factor_type, Half>::value)
-          throw Error(name, std::string(Layer::kind) +
-                                ": half-precision factors are for Kronecker layers; store it in float or double");
-        else if constexpr (std::is_same<Layer, Parameter>::value) pre_.register_layer(name, l, DiagonalFisher<P>{});
-        else pre_.register_layer(name, l, UnitWiseFisher<UnitWise, P>{});
-      });
-    }
-  }
-  /// EmbeddingFisher<Symmetric or Diagonal, Eigendecomposition<>, P> in the precision `m` names,
-  /// G decomposed with the settings of `m`'s Eigendecomposition<> (the only method an Embedding
-  /// has); default_only: EmbeddingFisher<> in the parameters' precision.
-  void add_embedding(const std::string& name, const Embedding& l, const TorchMethod& m) {
-    const auto* eigen = std::get_if<Eigendecomposition<>>(&m.method);
-    if (!eigen) throw Error(name, "embedding: its method is EmbeddingFisher (G's eigendecomposition), not another one");
-    if constexpr (Set == TorchMethods::default_only) {
-      if (m.diagonal || m.precision != TorchPrecision::scalar) throw Error(name, not_offered(Embedding::kind));
-      pre_.register_layer(name, l, EmbeddingFisher<Symmetric, Eigendecomposition<>, Precision<Scalar>>{*eigen});
-    } else {
-      with_precision(m.precision, [&](auto prec) {
-        using P = decltype(prec);
-        if constexpr (std::is_same<typename P::factor_type, Half>::value)
-          throw Error(name, "embedding: half-precision factors are for Kronecker layers; store it in float or double");
-        else if (m.diagonal) pre_.register_layer(name, l, EmbeddingFisher<Diagonal, Eigendecomposition<>, P>{*eigen});
-        else pre_.register_layer(name, l, EmbeddingFisher<Symmetric, Eigendecomposition<>, P>{*eigen});
-      });
-    }
-  }
-  template <class Layer>
-  void add_kronecker(const std::string& name, const Layer& l, const TorchMethod& m) {
-    if constexpr (Set == TorchMethods::default_only) {
-      const auto* eigen = std::get_if<Eigendecomposition<>>(&m.method);
-      if (!eigen || m.precision != TorchPrecision::scalar) throw Error(name, not_offered(Layer::kind));
-      pre_.register_layer(name, l, KFAC<Symmetric, Eigendecomposition<>, Precision<Scalar>>{*eigen});
-    } else {
-      std::visit(
-          [&](const auto& method) {
-            using M = std::decay_t<decltype(method)>;
-            if constexpr (std::is_same<M, NGSGD>::value) pre_.register_layer(name, l, method);
-            else
-              with_precision(m.precision, [&](auto prec) {
-                pre_.register_layer(name, l, KFAC<Symmetric, M, decltype(prec)>{method});
-              });
-          },
-          m.method);
-    }
-  }
   static std::size_t n(const at::Tensor& t, int d) { return std::size_t(t.size(d)); }
-  static std::string not_offered(const char* kind) {
-    return std::string(kind) + ": this front end builds the default method in the parameters' precision only "
-                               "(TorchMethods::default_only)";
-  }
   preconditioner_type pre_;
 };
 
@@ -431,7 +335,7 @@ class TorchCore {
   /// batch; default).
   void set_flatten_tokens(bool on) {
     for (auto& c : captures_)
-      c->flatten_tokens = on && c->kind == TorchKind::dense && c->tokens == adapters::TokenReduction::expand;
+      c->flatten_tokens = on && c->layer->flattens_tokens && c->tokens == adapters::TokenReduction::expand;
   }
 
  private:
@@ -453,116 +357,6 @@ class TorchCore {
   std::vector<std::string> frozen_;
 };
 
-/// \brief The kfac layer of one spec, or the reason it has none (appended to `problems`).
-struct TorchTranslation {
-  TorchKind kind = TorchKind::dense;
-  std::optional<Dense> dense;
-  std::optional<Conv2d> conv;
-  std::optional<BatchNorm2d> bn;
-  std::optional<LayerNorm> ln;
-  std::optional<Embedding> emb;
-  std::optional<Parameter> param;
-};
-
-inline std::optional<TorchTranslation> torch_translate(const TorchModuleSpec& s, const TorchFrontEnd& front,
-                                                       std::string& problem) {
-  TorchTranslation t;
-  switch (s.type) {
-    case TorchModuleSpec::Type::linear:
-      t.dense.emplace(index_t(s.in_features), index_t(s.out_features), s.bias.defined());
-      return t;
-    case TorchModuleSpec::Type::conv2d: {
-      if (s.groups != 1) {
-        problem = s.groups == s.in_channels
-                      ? "depthwise convolutions (groups = in_channels = " + std::to_string(s.groups) + ") are not supported"
-                      : "grouped convolutions (groups = " + std::to_string(s.groups) + ") are not supported";
-        return std::nullopt;
-      }
-      if (s.padding_mode != "zeros") {
-        problem = "only zero padding is supported (padding_mode " + s.padding_mode + ")";
-        return std::nullopt;
-      }
-      std::array<int64_t, 2> pad = s.padding;
-      if (s.padding_same)
-        for (int i = 0; i < 2; ++i) {
-          const int64_t total = s.dilation[i] * (s.kernel[i] - 1);
-          if (total % 2 != 0) {
-            problem = "padding 'same' with an even dilated kernel pads asymmetrically; kfac supports symmetric padding only";
-            return std::nullopt;
-          }
-          pad[i] = total / 2;
-        }
-      t.kind = TorchKind::conv2d;
-      t.conv.emplace(index_t(s.in_channels), index_t(s.out_channels), index_t(s.kernel[0]), index_t(s.kernel[1]));
-      t.conv->with_stride(index_t(s.stride[0]), index_t(s.stride[1])).with_padding(index_t(pad[0]), index_t(pad[1]))
-          .with_dilation(index_t(s.dilation[0]), index_t(s.dilation[1])).with_bias(s.bias.defined())
-          .with_factor_scaling(s.conv_scaling);
-      return t;
-    }
-    case TorchModuleSpec::Type::batch_norm:
-      t.kind = TorchKind::batch_norm;
-      t.bn.emplace(index_t(s.num_features));
-      return t;
-    case TorchModuleSpec::Type::layer_norm:
-      if (s.normalized_dims != 1) {
-        problem = "normalizes over its last " + std::to_string(s.normalized_dims) +
-                  " dimensions; kfac's LayerNorm normalizes over the last one";
-        return std::nullopt;
-      }
-      t.kind = TorchKind::layer_norm;
-      t.ln.emplace(index_t(s.num_features), s.bias.defined());
-      return t;
-    case TorchModuleSpec::Type::embedding: {
-      // max_norm is accepted: the module renormalizes the rows it looks up in place, outside
-      // autograd, before the lookup, so the weight's gradient is the plain lookup's, the one
-      // kfac's factors describe.
-      const int64_t vocabulary = s.num_embeddings;
-      if (s.sparse) {
-        problem = std::string("sparse gradients (its sparse option): kfac preconditions a dense weight gradient; turn "
-                              "sparse off, or ") + front.skip_hint;
-        return std::nullopt;
-      }
-      if (s.scale_grad_by_freq) {
-        problem = std::string("scale_grad_by_freq divides each row's gradient by its id's count in the batch, which "
-                              "kfac's factors do not describe; turn it off, or ") + front.skip_hint;
-        return std::nullopt;
-      }
-      if (vocabulary < 1 || s.embedding_dim < 1) {
-        problem = "has shape (" + std::to_string(vocabulary) + ", " + std::to_string(s.embedding_dim) +
-                  "); kfac needs at least one id and one dimension";
-        return std::nullopt;
-      }
-      t.kind = TorchKind::embedding;
-      t.emb.emplace(index_t(vocabulary), index_t(s.embedding_dim));
-      if (s.padding_idx) {
-        const int64_t p = *s.padding_idx < 0 ? *s.padding_idx + vocabulary : *s.padding_idx;
-        if (p < 0 || p >= vocabulary) {
-          problem = "padding_idx " + std::to_string(*s.padding_idx) + " is outside its " + std::to_string(vocabulary) +
-                    " ids";
-          return std::nullopt;
-        }
-        t.emb->with_padding_index(index_t(p));
-      }
-      return t;
-    }
-    case TorchModuleSpec::Type::parameter: {
-      const int64_t count = s.weight.defined() ? s.weight.numel() : 0;
-      if (count < 1) {
-        problem = "is an empty parameter; kfac needs at least one value";
-        return std::nullopt;
-      }
-      const int64_t rows = s.weight.dim() == 0 ? 1 : s.weight.size(0);
-      t.kind = TorchKind::parameter;
-      t.param.emplace(index_t(rows), index_t(count / rows));
-      return t;
-    }
-    case TorchModuleSpec::Type::other: break;
-  }
-  problem = std::string("owns parameters but kfac has no layer type for it (supported: ") + front.types + "); " +
-            front.skip_hint;
-  return std::nullopt;
-}
-
 template <class MakeBackend>
 TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options, adapters::TokenReduction tokens,
                      long accumulation_steps, const TorchFrontEnd& front, MakeBackend&& make_backend)
@@ -571,7 +365,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     throw Error("", std::string(front.accumulation) + " must be >= 1 (got " + std::to_string(accumulation_steps) + ")");
   struct Found {
     const TorchModuleSpec* spec;
-    TorchTranslation layer;
+    TorchLayer layer;
   };
   std::vector<Found> found;
   std::vector<std::pair<const void*, std::string>> owners;  // parameter memory -> the module registering it
@@ -590,18 +384,23 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     }
     auto problem = [&](const std::string& why) { problems.push_back({s.name, "(" + s.type_name + ") " + why}); };
     std::string why;
-    std::optional<TorchTranslation> t = torch_translate(s, front, why);
+    std::optional<TorchLayer> t;
+    if (s.translate) t = s.translate(TorchContext{front, tokens}, why);
+    else why = std::string("owns parameters but kfac has no layer type for it (supported: ") + front.types + "); " +
+               front.skip_hint;
     if (!t) {
       problem(why);
       continue;
     }
-    const bool weight_frozen = !s.weight.requires_grad();
-    if (s.bias.defined() && weight_frozen != !s.bias.requires_grad()) {
+    const at::Tensor& weight = t->weight;
+    const at::Tensor& bias = t->bias;
+    const bool weight_frozen = !weight.requires_grad();
+    if (bias.defined() && weight_frozen != !bias.requires_grad()) {
       problem(std::string("its ") + (weight_frozen ? "weight" : "bias") + " is frozen (requires_grad = false) but its " +
               (weight_frozen ? "bias" : "weight") + " is not; freeze both, or " + front.skip_hint);
       continue;
     }
-    for (const at::Tensor* p : {&s.weight, &s.bias}) {  // the first problem of the module only
+    for (const at::Tensor* p : {&weight, &bias}) {  // the first problem of the module only
       const std::string dev = torch_device_problem(*p, "a parameter");
       if (!dev.empty()) why = dev;
       else if (p->defined() && p->scalar_type() != at::kFloat && p->scalar_type() != at::kDouble)
@@ -614,28 +413,24 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     }
     // Tied weights (an Embedding's weight reused by the head): each module would precondition the
     // one gradient in place for its own factors.
-    for (const at::Tensor* p : {&s.weight, &s.bias})
+    for (const at::Tensor* p : {&weight, &bias})
       for (const auto& [memory, owner] : owners)
         if (why.empty() && p->defined() && p->data_ptr() != nullptr && p->data_ptr() == memory)
-          why = std::string("its ") + (p == &s.weight ? "weight" : "bias") + " is also a parameter of '" + owner +
+          why = std::string("its ") + (p == &weight ? "weight" : "bias") + " is also a parameter of '" + owner +
                 "' (tied weights): kfac preconditions each module's gradient for its own factors; " + front.skip_hint;
     if (!why.empty()) {
       problem(why);
       continue;
     }
-    for (const at::Tensor* p : {&s.weight, &s.bias})
+    for (const at::Tensor* p : {&weight, &bias})
       if (p->defined() && p->data_ptr() != nullptr) owners.emplace_back(p->data_ptr(), s.name);
     found.push_back({&s, std::move(*t)});
   }
-  // Token ids reach kfac as the Scalar's values: a float holds every integer only up to 2^24.
-  constexpr int64_t exact_float_ids = int64_t(1) << 24;
-  for (const Found& f : found)
-    if (f.layer.emb && dtype_ == at::kFloat && f.spec->num_embeddings > exact_float_ids)
-      problems.push_back({f.spec->name, "(" + f.spec->type_name + ") a vocabulary of " +
-                                            std::to_string(f.spec->num_embeddings) +
-                                            " ids with float32 parameters: kfac reads token ids as float32, exact "
-                                            "only up to 2^24 = 16777216; use float64 parameters, or " +
-                                            front.skip_hint});
+  for (const Found& f : found)  // what only the parameters' dtype decides (an Embedding's ids as float32)
+    if (f.layer.dtype_problem) {
+      const std::string why = f.layer.dtype_problem(dtype_);
+      if (!why.empty()) problems.push_back({f.spec->name, "(" + f.spec->type_name + ") " + why});
+    }
   throw_module_problems(problems, "modules kfac cannot handle");
   if (found.empty())
     throw Error("", std::string("the model has no ") + front.types + " module to precondition");
@@ -643,23 +438,14 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
   backend_ = make_backend(dtype_, std::move(options));
   for (const Found& f : found) {
     const TorchModuleSpec& s = *f.spec;
-    if (f.layer.dense)
-      backend_->add(s.name, Dense(*f.layer.dense).with_tokens(tokens == adapters::TokenReduction::reduce
-                                                                  ? Dense::Tokens::reduce : Dense::Tokens::expand),
-                    s.method);
-    else if (f.layer.conv) backend_->add(s.name, *f.layer.conv, s.method);
-    else if (f.layer.ln) backend_->add(s.name, *f.layer.ln, s.method.precision);
-    else if (f.layer.emb) backend_->add(s.name, *f.layer.emb, s.method);
-    else if (f.layer.param) backend_->add(s.name, *f.layer.param, s.method.precision);
-    else backend_->add(s.name, *f.layer.bn, s.method.precision);
+    backend_->add(s.name, f.layer);
     auto capture = std::make_shared<TorchCapture>();
     capture->name = s.name;
-    capture->kind = f.layer.kind;
+    capture->layer = std::make_shared<const TorchLayer>(f.layer);
     capture->tokens = tokens;
     capture->front = front_;
-    capture->bn_eps = s.eps;
     captures_.push_back(capture);
-    entries_.push_back({s.name, s.weight, s.bias});
+    entries_.push_back({s.name, f.layer.weight, f.layer.bias});
   }
   refresh_wanted();
 }
@@ -756,8 +542,7 @@ inline void TorchCore::precondition() {
     at::Tensor kw = as_kfac(w), kb = b.defined() ? as_kfac(b) : b;
     if (kw.data_ptr() != w.data_ptr()) copy_back.emplace_back(w, kw);
     if (b.defined() && kb.data_ptr() != b.data_ptr()) copy_back.emplace_back(b, kb);
-    if (captures_[i]->kind == TorchKind::parameter)  // any shape, as (rows, rest): a view of kfac's copy
-      kw = kw.reshape({kw.dim() == 0 ? 1 : kw.size(0), -1});
+    if (captures_[i]->layer->weight_grad) kw = captures_[i]->layer->weight_grad(kw);  // a view of kfac's copy
     backend_->set_gradient(e.name, kw, kb);
   }
   backend_->step();

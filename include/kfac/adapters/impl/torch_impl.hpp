@@ -17,10 +17,55 @@ inline std::string torch_type_name(const torch::nn::Module& m) {
   return n;
 }
 
-/// The LibTorch front end's backend: it offers no choice of method (the Python package does), so
-/// it compiles the default ones only (TorchMethods).
 template <class Scalar, class Comm>
-using CppTorchBackend = TorchBackendOf<Scalar, Comm, TorchMethods::default_only>;
+using CppTorchBackend = TorchBackendOf<Scalar, Comm>;
+
+/// The built-in kinds, registered as a user's kind is (adapters::register_torch_module). The
+/// LibTorch front end offers no choice of method (the Python package does), so it compiles the
+/// default ones only (TorchMethods::default_only).
+inline TorchModuleKinds::TorchModuleKinds() {
+  constexpr TorchMethods Set = TorchMethods::default_only;
+  namespace nn = torch::nn;
+  add<nn::LinearImpl>(Dense::kind, [](const nn::LinearImpl& l, const TorchContext& ctx, std::string&) {
+    const auto& o = l.options;
+    return torch_linear<Set>(o.in_features(), o.out_features(), l.weight, o.bias() ? l.bias : at::Tensor(),
+                             TorchMethod{}, ctx);
+  });
+  add<nn::Conv2dImpl>(Conv2d::kind, [](const nn::Conv2dImpl& c, const TorchContext&, std::string& problem) {
+    const auto& o = c.options;
+    TorchConv2dSettings s;
+    s.in_channels = o.in_channels();
+    s.out_channels = o.out_channels();
+    s.groups = o.groups();
+    s.kernel = *o.kernel_size();
+    s.stride = *o.stride();
+    s.dilation = *o.dilation();
+    if (const auto* p = c10::get_if<torch::ExpandingArray<2>>(&o.padding())) s.padding = **p;
+    s.padding_same = c10::get_if<torch::enumtype::kSame>(&o.padding()) != nullptr;
+    s.padding_mode = torch::enumtype::get_enum_name(o.padding_mode());
+    if (s.padding_mode == "kZeros") s.padding_mode = "zeros";
+    return torch_conv2d<Set>(s, c.weight, o.bias() ? c.bias : at::Tensor(), TorchMethod{}, problem);
+  });
+  add<nn::BatchNorm2dImpl>(BatchNorm2d::kind, [](const nn::BatchNorm2dImpl& b, const TorchContext&, std::string&) {
+    return torch_batch_norm<Set>(b.options.num_features(), b.options.eps(), b.weight, b.bias, TorchPrecision::scalar);
+  });
+  add<nn::LayerNormImpl>(LayerNorm::kind, [](const nn::LayerNormImpl& n, const TorchContext&, std::string& problem) {
+    const auto& shape = n.options.normalized_shape();
+    return torch_layer_norm<Set>(shape.back(), int64_t(shape.size()), n.options.eps(), n.weight, n.bias,
+                                 TorchPrecision::scalar, problem);
+  });
+  add<nn::EmbeddingImpl>(Embedding::kind, [](const nn::EmbeddingImpl& e, const TorchContext& ctx,
+                                              std::string& problem) {
+    const auto& o = e.options;
+    TorchEmbeddingSettings s;
+    s.num_embeddings = o.num_embeddings();
+    s.embedding_dim = o.embedding_dim();
+    if (o.padding_idx()) s.padding_idx = *o.padding_idx();
+    s.sparse = o.sparse();
+    s.scale_grad_by_freq = o.scale_grad_by_freq();
+    return torch_embedding<Set>(s, e.weight, TorchMethod{}, ctx.front, problem);
+  });
+}
 }  // namespace impl
 
 namespace adapters {
@@ -56,56 +101,17 @@ inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, 
     const torch::nn::Module& m = *module;
     const auto own = m.named_parameters(/*recurse=*/false);
     if (own.is_empty()) continue;  // containers, activations, BatchNorm2d(affine=false), ...
+    const auto kind = impl::TorchModuleKinds::instance().find(m);
     impl::TorchModuleSpec s;
     s.name = name;
     s.type_name = impl::torch_type_name(m);
-    s.skipped = is_skipped(name, m);
+    s.skipped = is_skipped(name, m, kind ? kind->kind : std::string());
     s.all_frozen = true;
     for (const auto& p : own) s.all_frozen = s.all_frozen && !p.value().requires_grad();
-    if (const auto* l = m.as<torch::nn::Linear>()) {
-      s.type = impl::TorchModuleSpec::Type::linear;
-      s.in_features = l->options.in_features();
-      s.out_features = l->options.out_features();
-      s.weight = l->weight;
-      s.bias = l->options.bias() ? l->bias : at::Tensor();
-    } else if (const auto* c = m.as<torch::nn::Conv2d>()) {
-      const auto& o = c->options;
-      s.type = impl::TorchModuleSpec::Type::conv2d;
-      s.in_channels = o.in_channels();
-      s.out_channels = o.out_channels();
-      s.groups = o.groups();
-      s.kernel = *o.kernel_size();
-      s.stride = *o.stride();
-      s.dilation = *o.dilation();
-      if (const auto* p = c10::get_if<torch::ExpandingArray<2>>(&o.padding())) s.padding = **p;
-      s.padding_same = c10::get_if<torch::enumtype::kSame>(&o.padding()) != nullptr;
-      s.padding_mode = torch::enumtype::get_enum_name(o.padding_mode());
-      if (s.padding_mode == "kZeros") s.padding_mode = "zeros";
-      s.weight = c->weight;
-      s.bias = o.bias() ? c->bias : at::Tensor();
-    } else if (const auto* b = m.as<torch::nn::BatchNorm2d>()) {
-      s.type = impl::TorchModuleSpec::Type::batch_norm;
-      s.num_features = b->options.num_features();
-      s.eps = b->options.eps();
-      s.weight = b->weight;
-      s.bias = b->bias;
-    } else if (const auto* n = m.as<torch::nn::LayerNorm>()) {
-      s.type = impl::TorchModuleSpec::Type::layer_norm;
-      s.num_features = n->options.normalized_shape().back();
-      s.normalized_dims = int64_t(n->options.normalized_shape().size());
-      s.eps = n->options.eps();
-      s.weight = n->weight;
-      s.bias = n->bias;
-    } else if (const auto* e = m.as<torch::nn::Embedding>()) {
-      const auto& o = e->options;
-      s.type = impl::TorchModuleSpec::Type::embedding;
-      s.num_embeddings = o.num_embeddings();
-      s.embedding_dim = o.embedding_dim();
-      if (o.padding_idx()) s.padding_idx = *o.padding_idx();
-      s.sparse = o.sparse();
-      s.scale_grad_by_freq = o.scale_grad_by_freq();
-      s.weight = e->weight;
-    }
+    if (kind)
+      s.translate = [kind, &m](const impl::TorchContext& ctx, std::string& problem) {
+        return kind->translate(m, ctx, problem);
+      };
     specs.push_back(std::move(s));
     modules.push_back(&m);
   }
@@ -142,15 +148,13 @@ inline TorchPreconditioner::~TorchPreconditioner() {
   for (const auto* m : registered_) impl::TorchRegistry::instance().erase(m);
 }
 
-inline bool TorchPreconditioner::is_skipped(const std::string& name, const torch::nn::Module& m) const {
+inline bool TorchPreconditioner::is_skipped(const std::string& name, const torch::nn::Module& m,
+                                            const std::string& kind) const {
   const std::string type = impl::torch_type_name(m);                          // torch::nn::Conv2d
   const std::string short_type = type.substr(type.rfind(':') == std::string::npos ? 0 : type.rfind(':') + 1);
-  const char* kind = m.as<torch::nn::Linear>() ? Dense::kind : m.as<torch::nn::Conv2d>() ? Conv2d::kind
-                     : m.as<torch::nn::BatchNorm2d>() ? BatchNorm2d::kind
-                     : m.as<torch::nn::LayerNorm>() ? LayerNorm::kind
-                     : m.as<torch::nn::Embedding>() ? Embedding::kind : "";
   for (const auto& s : torch_options_.skip)
-    if (impl::glob_match(s.c_str(), name.c_str()) || s == type || s == type + "Impl" || s == short_type || s == kind)
+    if (impl::glob_match(s.c_str(), name.c_str()) || s == type || s == type + "Impl" || s == short_type ||
+        (!kind.empty() && s == kind))
       return true;
   return false;
 }
