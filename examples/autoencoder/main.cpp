@@ -228,7 +228,7 @@ int run(const Args& a) {
       if (adam) adam->step();
 #if KFAC_EXAMPLES_HAVE_KFAC
       if (kfac && a.adaptive) {
-        auto after = [&] { return loss.forward(net.forward(b.x, nn::Mode::train), target).mean_loss(); };
+        auto after = [&] { return loss.forward(net.forward(b.x, nn::Mode::probe), target).mean_loss(); };
         kfac->step_adaptive(net, nn::AdaptiveLoss{nn::loss_curvature(loss), logits, s.mean_loss(), after});
       } else if (kfac) {
         kfac->step(net);

@@ -247,7 +247,7 @@ struct AdaptiveLoss {
   kfac::LossCurvature curvature;  ///< loss_curvature(the loss)
   Tensor logits;                  ///< the outputs of the forward pass the gradients came from
   double before;                  ///< the mean loss on the batch at the parameters of that pass
-  std::function<double()> after;  ///< the same loss at the parameters now (a forward pass on the same batch)
+  std::function<double()> after;  ///< the same loss at the parameters now (a Mode::probe forward on the same batch)
 };
 
 /// \brief What register_layer<L, Symmetric, Cholesky<>> registers for the examples' float
@@ -278,8 +278,7 @@ class KfacSgd {
     if (s.adaptive) {
       if (world.size() > 1) throw std::invalid_argument("self-tuned K-FAC (--adaptive) runs on one process");
       if (!net.has_rop())
-        throw std::invalid_argument("self-tuned K-FAC (--adaptive) needs an R-op of every layer (the MLP models, the "
-                                    "autoencoder; not the CNNs)");
+        throw std::invalid_argument("self-tuned K-FAC (--adaptive) needs an R-op of every layer");
       tune_ = std::make_unique<Tuning>(kfac::Adaptive{}.with_weight_decay(s.weight_decay));
       // lambda + eta is the damping; the solve chooses the step's length: no KL clip, no schedule.
       options = options.with_damping(tune_->damping()).with_kl_clip(0.0).with_lr(1.0);

@@ -90,7 +90,7 @@ void usage() {
       "  --adaptive                      self-tuned K-FAC (kfac::SelfTuning, its defaults): step size, momentum and\n"
       "                                  damping from the exact curvature each step (R-op products), no lr, momentum,\n"
       "                                  damping or KL clip to choose (those flags do not apply to kfac); one\n"
-      "                                  process, MLP models only (the CNNs' layers have no R-op)\n"
+      "                                  process; every model (the CNNs' layers have R-ops too)\n"
       "  --model-figures measured|defaults   machine figures of the K-FAC cost-model line: measured at start-up\n"
       "                                  by kfac::measure_machine_figures (about 1.5 s), or kfac::MachineFigures'\n"
       "                                  defaults (default measured)\n"
