@@ -59,7 +59,8 @@ void usage() {
   std::printf(
       "usage: autoencoder [options]   deep autoencoder 784-1000-500-250-30-250-500-1000-784 on Fashion-MNIST\n"
       "  --optimizer sgd|adam|kfac       (default kfac)\n"
-      "  --adaptive                      kfac: self-tuned (kfac::SelfTuning, its defaults): no lr or damping\n"
+      "  --adaptive                      kfac: self-tuned (kfac::SelfTuning, its defaults): --lr, --momentum,\n"
+      "                                  --damping and --kl-clip are refused with it\n"
       "  --lr X                          learning rate (defaults: sgd 0.01, adam 1e-3, kfac 0.1)\n"
       "  --momentum X                    sgd and kfac momentum (default 0.9)\n"
       "  --damping X --kl-clip X         kfac (default 0.1, 1e-2)\n"
@@ -94,6 +95,7 @@ Args parse(const std::vector<std::string>& argv) {
   a.kfac.kl_clip = 1e-2;
   a.kfac.factor_update_steps = 5;
   a.kfac.inv_update_steps = 50;
+  std::vector<std::string> tuned;  // flags that self-tuned K-FAC would ignore
   for (std::size_t i = 0; i < argv.size(); ++i) {
     const std::string key = argv[i];
     if (key == "-h" || key == "--help") {
@@ -105,6 +107,7 @@ Args parse(const std::vector<std::string>& argv) {
       continue;
     }
     if (i + 1 >= argv.size()) throw std::invalid_argument(key + " needs a value");
+    if (key == "--lr" || key == "--momentum" || key == "--damping" || key == "--kl-clip") tuned.push_back(key);
     const std::string value = argv[++i];
     auto num = [&](auto& dst) { dst = static_cast<std::remove_reference_t<decltype(dst)>>(number(key, value)); };
     if (key == "--optimizer") a.optimizer = value;
@@ -130,6 +133,9 @@ Args parse(const std::vector<std::string>& argv) {
   if (a.optimizer != "sgd" && a.optimizer != "adam" && a.optimizer != "kfac")
     throw std::invalid_argument("--optimizer: expected sgd, adam or kfac");
   if (a.adaptive && a.optimizer != "kfac") throw std::invalid_argument("--adaptive: only with --optimizer kfac");
+  if (a.adaptive && !tuned.empty())
+    throw std::invalid_argument(tuned[0] + ": not used with --adaptive (self-tuned K-FAC chooses its step size, "
+                                "momentum and damping, and has no KL clip); drop " + tuned[0] + " or --adaptive");
   if (a.lr < 0 || a.batch < 1 || a.evals < 1 || !(a.budget_s > 0))
     throw std::invalid_argument("--lr >= 0, --batch >= 1, --evals >= 1 and --budget > 0 expected");
   if (a.lr == 0) a.lr = a.optimizer == "sgd" ? 0.01 : a.optimizer == "adam" ? 1e-3 : 0.1;
