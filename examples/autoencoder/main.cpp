@@ -270,7 +270,7 @@ int run(const Args& a) {
   }
 #if KFAC_EXAMPLES_HAVE_KFAC
   if (kfac && kfac->tuning()) {
-    const auto& t = *kfac->tuning();
+    const auto t = *kfac->tuning();  // a copy: tuning() returns a value
     std::printf("# %s: %ld solves, last alpha %.4g mu %.4g, damping %.4g after %ld updates (last rho %.3g)\n",
                 name.c_str(), t.solves(), t.last_step().alpha, t.last_step().mu, t.lambda(), t.damping_updates(),
                 t.last_damping_update().rho);

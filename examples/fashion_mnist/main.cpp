@@ -492,7 +492,7 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
   }
 #if KFAC_EXAMPLES_HAVE_KFAC
   if (const nn::KfacSgd* kfac = trainer.kfac(); kfac && lead && kfac->tuning()) {
-    const auto& t = *kfac->tuning();
+    const auto t = *kfac->tuning();  // a copy: tuning() returns a value
     std::printf("[%s] self-tuned: %ld solves, last alpha %.4g mu %.4g, damping %.4g after %ld updates "
                 "(last rho %.3g)\n",
                 name.c_str(), t.solves(), t.last_step().alpha, t.last_step().mu, t.lambda(), t.damping_updates(),
