@@ -12,7 +12,8 @@ namespace nn {
 /// \brief BatchNorm2d: \f$y = \gamma \hat{x} + \beta\f$, \f$\hat{x} = (x - \mu_c) / \sqrt{\sigma_c^2 + \epsilon}\f$.
 ///
 /// Training uses the batch statistics (biased variance) and updates running statistics with
-/// `momentum` (unbiased variance, as PyTorch does); evaluation uses the running statistics.
+/// `momentum` (unbiased variance, as PyTorch does); evaluation uses the running statistics;
+/// Mode::probe uses the batch statistics and leaves the running ones.
 /// Channel sums accumulate in double so the result does not depend on the batch size's rounding.
 class BatchNorm2d {
  public:
@@ -20,7 +21,9 @@ class BatchNorm2d {
       : channels_(channels), eps_(eps), momentum_(momentum), gamma_("nn::bn::gamma", channels),
         beta_("nn::bn::beta", channels), dgamma_("nn::bn::dgamma", channels), dbeta_("nn::bn::dbeta", channels),
         running_mean_("nn::bn::running_mean", channels), running_var_("nn::bn::running_var", channels),
-        inv_std_("nn::bn::inv_std", channels), mean_("nn::bn::mean", channels), xhat_("nn::bn::xhat"), y_("nn::bn::y"), dx_("nn::bn::dx") {
+        inv_std_("nn::bn::inv_std", channels), mean_("nn::bn::mean", channels), xhat_("nn::bn::xhat"), y_("nn::bn::y"),
+        dx_("nn::bn::dx"), rop_mean_("nn::bn::rop_mean", channels), rop_cov_("nn::bn::rop_cov", channels),
+        ry_("nn::bn::ry") {
     Kokkos::deep_copy(gamma_, 1.0f);
     Kokkos::deep_copy(running_var_, 1.0f);
   }
@@ -30,8 +33,10 @@ class BatchNorm2d {
     const Vector inv_std = inv_std_, rmean = running_mean_, rvar = running_var_;
     const Vector mean = mean_;
     const float eps = float(eps_), mom = float(momentum_);
-    if (mode == Mode::train) {
+    batch_stats_ = mode != Mode::eval;
+    if (batch_stats_) {
       const double m = double(n) * h * w;
+      const bool update = mode == Mode::train;
       Kokkos::parallel_for("nn::bn::batch_stats", Kokkos::RangePolicy<ExecSpace>(0, c_n),
                            KOKKOS_LAMBDA(const int c) {
                              // Two passes (mean, then squared deviations) for an accurate variance.
@@ -51,8 +56,10 @@ class BatchNorm2d {
                              const double var = sum_sq / m;
                              mean(c) = float(mu);
                              inv_std(c) = float(1.0 / std::sqrt(var + eps));
-                             rmean(c) = float((1.0 - mom) * rmean(c) + mom * mu);
-                             rvar(c) = float((1.0 - mom) * rvar(c) + mom * var * (m > 1 ? m / (m - 1) : 1.0));
+                             if (update) {
+                               rmean(c) = float((1.0 - mom) * rmean(c) + mom * mu);
+                               rvar(c) = float((1.0 - mom) * rvar(c) + mom * var * (m > 1 ? m / (m - 1) : 1.0));
+                             }
                            });
     } else {
       Kokkos::parallel_for("nn::bn::running_stats", Kokkos::RangePolicy<ExecSpace>(0, c_n),
@@ -104,6 +111,52 @@ class BatchNorm2d {
     return dx;
   }
 
+  /// \brief Forward mode (R-op) of the function the last forward computed:
+  /// \f$\dot y = \dot\gamma \hat{x} + \dot\beta + \gamma \dot{\hat{x}}\f$. After a training (or probe)
+  /// forward the batch statistics depend on x, and per channel (means over N, H, W)
+  /// \f$\dot{\hat{x}} = r(\dot x - \overline{\dot x} - \hat{x}\,\overline{\hat{x}\dot x})\f$ with
+  /// \f$r = 1/\sqrt{\sigma^2 + \epsilon}\f$ (from \f$\dot\mu = \overline{\dot x}\f$,
+  /// \f$\dot r = -r^2\,\overline{\hat{x}\dot x}\f$); after an evaluation forward the running
+  /// statistics are constants and \f$\dot{\hat{x}} = r\dot x\f$. Gradients come from training
+  /// forwards, so self-tuned K-FAC's curvature products use the first form.
+  /// \param dx [in] \f$\dot x\f$ shaped like the input, or empty (zero)
+  /// \param direction [in] \f$\dot\gamma\f$ and \f$\dot\beta\f$: params()' order
+  /// \return \f$\dot y\f$, (N, C, H, W), owned by this layer until its next rop
+  Tensor rop(const Tensor& dx, const std::vector<ConstVector>& direction) {
+    const Tensor xhat = xhat_view_;
+    const int n = int(xhat.extent(0)), c_n = channels_, h = int(xhat.extent(2)), w = int(xhat.extent(3));
+    const Vector mean_dx = rop_mean_, cov = rop_cov_;  // per channel: mean of dx, mean of xhat * dx
+    const bool moving = dx.data() != nullptr, batch = batch_stats_ && moving;
+    if (batch) {
+      const double m = double(n) * h * w;
+      Kokkos::parallel_for("nn::bn::rop_stats", Kokkos::RangePolicy<ExecSpace>(0, c_n), KOKKOS_LAMBDA(const int c) {
+        double sum = 0.0, sum_xd = 0.0;
+        for (int s = 0; s < n; ++s) {
+          const float* d = &dx(s, c, 0, 0);
+          const float* xh = &xhat(s, c, 0, 0);
+          sum += sum_of(h * w, [&](int q) { return double(d[q]); });
+          sum_xd += sum_of(h * w, [&](int q) { return double(xh[q]) * double(d[q]); });
+        }
+        mean_dx(c) = float(sum / m);
+        cov(c) = float(sum_xd / m);
+      });
+    }
+    const Tensor ry = ry_.tensor(n, c_n, h, w);
+    const ConstVector dgamma = direction.at(0), dbeta = direction.at(1);
+    const Vector gamma = gamma_, inv_std = inv_std_;
+    Kokkos::parallel_for("nn::bn::rop", range4(n, c_n, h, w),
+                         KOKKOS_LAMBDA(const int s, const int c, const int r, const int col) {
+                           const float v = xhat(s, c, r, col);
+                           float out = dgamma(c) * v + dbeta(c);
+                           if (moving) {
+                             const float d = batch ? dx(s, c, r, col) - mean_dx(c) - v * cov(c) : dx(s, c, r, col);
+                             out += gamma(c) * inv_std(c) * d;
+                           }
+                           ry(s, c, r, col) = out;
+                         });
+    return ry;
+  }
+
   std::vector<Param> params() const {
     return {{"gamma", gamma_, dgamma_, false}, {"beta", beta_, dbeta_, false}};
   }
@@ -126,6 +179,9 @@ class BatchNorm2d {
   Vector gamma_, beta_, dgamma_, dbeta_, running_mean_, running_var_, inv_std_, mean_;
   Buffer<float> xhat_, y_, dx_;
   Tensor xhat_view_, dy_;
+  Vector rop_mean_, rop_cov_;
+  Buffer<float> ry_;
+  bool batch_stats_ = true;  ///< whether the last forward normalised with the batch's statistics
 };
 
 }  // namespace nn

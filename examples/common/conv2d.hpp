@@ -66,6 +66,17 @@ inline void fold(const Conv2dShape& shape, const Matrix& dcols, const Tensor& dx
   });
 }
 
+/// y(s, o, i, j) = ymat(o, (s*Ho + i)*Wo + j) + b(o) (b empty: no bias), the R-op's reordering to NCHW.
+inline void rop_to_nchw(const Matrix& ymat, const ConstVector& b, const Tensor& y) {
+  const int ho = int(y.extent(2)), wo = int(y.extent(3));
+  const bool has_bias = b.extent(0) > 0;
+  Kokkos::parallel_for("nn::conv2d::rop_to_nchw", range3(y.extent(0), y.extent(1), ho),
+                       KOKKOS_LAMBDA(const int s, const int o, const int i) {
+                         const float bo = has_bias ? b(o) : 0.0f;
+                         for (int j = 0; j < wo; ++j) y(s, o, i, j) = ymat(o, (s * ho + i) * wo + j) + bo;
+                       });
+}
+
 }  // namespace detail
 
 /// \brief Conv2d with weight (O, C, kh, kw) and optional bias (O).
@@ -84,7 +95,7 @@ class Conv2d {
         dweight_("nn::conv2d::dW", shape.out_channels, shape.in_channels, shape.kernel_h, shape.kernel_w),
         dbias_("nn::conv2d::db", shape.bias ? shape.out_channels : 0), cols_("nn::conv2d::cols"),
         ymat_("nn::conv2d::ymat"), y_("nn::conv2d::y"), dymat_("nn::conv2d::dymat"), dcols_("nn::conv2d::dcols"),
-        dx_("nn::conv2d::dx") {
+        dx_("nn::conv2d::dx"), rcols_("nn::conv2d::rcols"), rymat_("nn::conv2d::rymat"), ry_("nn::conv2d::ry") {
     if (shape.stride < 1 || shape.padding < 0 || shape.kernel_h < 1 || shape.kernel_w < 1)
       throw std::invalid_argument("nn::Conv2d: expected stride >= 1, padding >= 0, kernel >= 1");
     fill_uniform(weight_, init_bound(init, long(patch_size())), rng);
@@ -143,6 +154,30 @@ class Conv2d {
     return dx;
   }
 
+  /// \brief Forward mode (R-op) at the input and parameters of the last forward pass, which is
+  /// linear in each: \f$\dot Y = \dot W\,\mathrm{cols}(x) + W\,\mathrm{cols}(\dot x) + \dot b\f$.
+  /// Reuses the patch matrix of the last forward (a backward pass reads it but leaves it).
+  /// \param dx [in] \f$\dot x\f$ shaped like the input, or empty (zero: the input does not move)
+  /// \param direction [in] \f$\dot W\f$ (O*C*kh*kw) and, with a bias, \f$\dot b\f$: params()' order
+  /// \return \f$\dot y\f$, (N, O, Ho, Wo), owned by this layer until its next rop
+  Tensor rop(const Tensor& dx, const std::vector<ConstVector>& direction) {
+    const int n = int(x_.extent(0)), ho = out_height(int(x_.extent(2))), wo = out_width(int(x_.extent(3)));
+    const std::size_t m = std::size_t(n) * ho * wo;
+    const Matrix cols = cols_.matrix(patch_size(), m);  // the last forward's
+    const Matrix ymat = rymat_.matrix(s_.out_channels, m);
+    const Kokkos::View<const float**, Kokkos::LayoutRight, MemSpace> dw(direction.at(0).data(), s_.out_channels,
+                                                                          patch_size());
+    KokkosBlas::gemm("N", "N", 1.0f, dw, cols, 0.0f, ymat);
+    if (dx.data()) {
+      const Matrix rcols = rcols_.matrix(patch_size(), m);
+      unfold(dx, rcols, ho, wo);
+      KokkosBlas::gemm("N", "N", 1.0f, weight_matrix(weight_), rcols, 1.0f, ymat);
+    }
+    const Tensor ry = ry_.tensor(n, s_.out_channels, ho, wo);
+    detail::rop_to_nchw(ymat, s_.bias ? direction.at(1) : ConstVector(), ry);
+    return ry;
+  }
+
   std::vector<Param> params() const {
     std::vector<Param> p{{"weight", flat(weight_), flat(dweight_), true}};
     if (s_.bias) p.push_back({"bias", bias_, dbias_, false});
@@ -170,7 +205,7 @@ class Conv2d {
   Vector bias_;
   Tensor dweight_;
   Vector dbias_;
-  Buffer<float> cols_, ymat_, y_, dymat_, dcols_, dx_;
+  Buffer<float> cols_, ymat_, y_, dymat_, dcols_, dx_, rcols_, rymat_, ry_;
   Tensor x_, dy_;
 };
 

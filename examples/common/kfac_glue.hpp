@@ -16,6 +16,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <cstdio>
@@ -152,7 +153,7 @@ struct KfacSettings {
   RecipeSettings recipe;
   /// Self-tuned (kfac::SelfTuning with kfac::Adaptive's defaults, docs/self_tuning.md): step size,
   /// momentum and damping chosen every step from the exact curvature, so lr, momentum, damping
-  /// and kl_clip above are not used; one process, and a network whose layers all have an R-op.
+  /// and kl_clip above are not used; a network whose layers all have an R-op (every kind has one).
   bool adaptive = false;
 };
 
@@ -247,7 +248,7 @@ struct AdaptiveLoss {
   kfac::LossCurvature curvature;  ///< loss_curvature(the loss)
   Tensor logits;                  ///< the outputs of the forward pass the gradients came from
   double before;                  ///< the mean loss on the batch at the parameters of that pass
-  std::function<double()> after;  ///< the same loss at the parameters now (a forward pass on the same batch)
+  std::function<double()> after;  ///< the same loss at the parameters now (a Mode::probe forward on the same batch)
 };
 
 /// \brief What register_layer<L, Symmetric, Cholesky<>> registers for the examples' float
@@ -276,15 +277,20 @@ class KfacSgd {
       lr_ = r.lr_schedule();
     }
     if (s.adaptive) {
-      if (world.size() > 1) throw std::invalid_argument("self-tuned K-FAC (--adaptive) runs on one process");
       if (!net.has_rop())
-        throw std::invalid_argument("self-tuned K-FAC (--adaptive) needs an R-op of every layer (the MLP models, the "
-                                    "autoencoder; not the CNNs)");
-      tune_ = std::make_unique<Tuning>(kfac::Adaptive{}.with_weight_decay(s.weight_decay));
-      // lambda + eta is the damping; the solve chooses the step's length: no KL clip, no schedule.
-      options = options.with_damping(tune_->damping()).with_kl_clip(0.0).with_lr(1.0);
+        throw std::invalid_argument("self-tuned K-FAC (--adaptive) needs an R-op of every layer");
+      const kfac::Adaptive adaptive = kfac::Adaptive{}.with_weight_decay(s.weight_decay);
+#if KFAC_EXAMPLES_HAVE_MPI
+      // Several ranks: the quadratic model's scalars and the losses are summed over them.
+      if (world.size() > 1) mpi_tune_ = std::make_unique<MpiTuning>(adaptive, ExecSpace(), kfac::MpiComm(world.comm()));
+#endif
+      if (!mpi_tune_) tune_ = std::make_unique<Tuning>(adaptive);
+      with_tuning([&](auto& tune) {
+        // lambda + eta is the damping; the solve chooses the step's length: no KL clip, no schedule.
+        options = options.with_damping(tune.damping()).with_kl_clip(0.0).with_lr(1.0);
+        for (const Param& p : net.params()) tune.add_parameter(p.name, p.grad);
+      });
       lr_ = nullptr;
-      for (const Param& p : net.params()) tune_->add_parameter(p.name, p.grad);
       params_ = net.params();
     }
     options_ = options;
@@ -321,17 +327,25 @@ class KfacSgd {
   /// update), kfac::SelfTuning solves for the step size and momentum, and the parameters move by
   /// the update U (learning rate 1); every update_interval steps the loss at the new parameters,
   /// `loss.after()`, updates the damping. Counted in kfac_seconds() except the R-op and loss passes.
+  /// Under MPI (the gradients averaged over the ranks first) each rank's R-op products are of its
+  /// own slice of the batch, and kfac::SelfTuning sums the model's scalars and losses over the ranks.
   void step_adaptive(Network& net, const AdaptiveLoss& loss) {
-    if (!tune_) throw std::logic_error("KfacSgd::step_adaptive without KfacSettings::adaptive");
+    if (!tune_ && !mpi_tune_) throw std::logic_error("KfacSgd::step_adaptive without KfacSettings::adaptive");
     Kokkos::Profiling::pushRegion("kfac::examples::kfac");
     auto t0 = std::chrono::steady_clock::now();
+    if (!mpi_ && !serial_) choose_distribution(net);
     if (settings_.weight_decay > 0) add_weight_decay(params_, settings_.weight_decay);
-    observe(net, *serial_);
-    tune_->capture_gradient();
-    serial_->step();
+    with_preconditioner([&](auto& pre) { observe(net, pre); });
+    with_tuning([](auto& tune) { tune.capture_gradient(); });
+    with_preconditioner([](auto& pre) { pre.step(); });
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     Kokkos::Profiling::popRegion();
+    with_tuning([&](auto& tune) { products_step(net, loss, tune); });
+  }
 
+  /// \brief step_adaptive's second half on `tune` (public: a template over the communicator's tuning type).
+  template <class Tune>
+  void products_step(Network& net, const AdaptiveLoss& loss, Tune& tune) {
     kfac::OutputProducts<float, ExecSpace> products;
     products.loss = loss.curvature;
     products.outputs = as_matrix(loss.logits);
@@ -341,21 +355,44 @@ class KfacSgd {
     const Matrix jp_copy = along_proposal_.matrix(jp.extent(0), jp.extent(1));
     Kokkos::deep_copy(jp_copy, jp);
     products.along_proposal = jp_copy;
-    if (tune_->needs_previous_product()) {
+    if (tune.needs_previous_product()) {
       along.clear();
-      for (const Param& p : params_) along.push_back(tune_->previous_update(p.name));
+      for (const Param& p : params_) along.push_back(tune.previous_update(p.name));
       products.along_previous = as_matrix(net.rop(along));
     }
-    t0 = std::chrono::steady_clock::now();
-    tune_->solve(products);
+    const auto t0 = std::chrono::steady_clock::now();
+    tune.solve(products);
     for (const Param& p : params_) add_scaled(-1.0f, p.grad, p.value);
     Kokkos::fence();
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (tune_->wants_loss_change()) tune_->update_damping(loss.before, loss.after());
+    if (tune.wants_loss_change()) tune.update_damping(loss.before, loss.after());
   }
 
-  /// \brief Self-tuned: the settings' state (lambda, the last step's alpha and mu); null otherwise.
-  const kfac::SelfTuning<float, ExecSpace>* tuning() const { return tune_.get(); }
+  /// \brief A copy of what kfac::SelfTuning reports (its accessors' names), on any communicator.
+  class TuningView {
+   public:
+    template <class Tune>
+    explicit TuningView(const Tune& t)
+        : solves_(t.solves()), updates_(t.damping_updates()), lambda_(t.lambda()), last_(t.last_step()),
+          last_update_(t.last_damping_update()) {}
+    long solves() const { return solves_; }
+    long damping_updates() const { return updates_; }
+    double lambda() const { return lambda_; }
+    const kfac::AdaptiveStep& last_step() const { return last_; }
+    const kfac::DampingUpdate& last_damping_update() const { return last_update_; }
+
+   private:
+    long solves_, updates_;
+    double lambda_;
+    kfac::AdaptiveStep last_;
+    kfac::DampingUpdate last_update_;
+  };
+  /// \brief Self-tuned: the settings' state (lambda, the last step's alpha and mu); empty otherwise.
+  std::optional<TuningView> tuning() const {
+    if (tune_) return TuningView(*tune_);
+    if (mpi_tune_) return TuningView(*mpi_tune_);
+    return std::nullopt;
+  }
 
   /// \brief Seconds spent in kfac (observe_*, set_gradient and step()) on this rank so far.
   double kfac_seconds() const { return kfac_seconds_; }
@@ -567,7 +604,19 @@ class KfacSgd {
   }
 
   using Tuning = kfac::SelfTuning<float, ExecSpace>;
-  std::unique_ptr<Tuning> tune_;  ///< self-tuned (KfacSettings::adaptive) only
+#if KFAC_EXAMPLES_HAVE_MPI
+  using MpiTuning = kfac::SelfTuning<float, ExecSpace, kfac::MpiComm>;
+#else
+  using MpiTuning = Tuning;  // never constructed
+#endif
+  // Self-tuned (KfacSettings::adaptive) only; at most one is set, as with the preconditioners.
+  std::unique_ptr<Tuning> tune_;
+  std::unique_ptr<MpiTuning> mpi_tune_;
+  template <class F>
+  void with_tuning(F&& f) {
+    if (mpi_tune_) f(*mpi_tune_);
+    else f(*tune_);
+  }
   std::vector<Param> params_;     ///< self-tuned: the parameters the update moves
   Buffer<float> along_proposal_{"nn::kfac::along_proposal"};
 

@@ -10,7 +10,7 @@ namespace nn {
 
 class MaxPool2d {
  public:
-  MaxPool2d() : y_("nn::maxpool::y"), arg_("nn::maxpool::argmax"), dx_("nn::maxpool::dx") {}
+  MaxPool2d() : y_("nn::maxpool::y"), arg_("nn::maxpool::argmax"), dx_("nn::maxpool::dx"), ry_("nn::maxpool::ry") {}
 
   Tensor forward(const Tensor& x, Mode) {
     const int n = int(x.extent(0)), c_n = int(x.extent(1)), ho = int(x.extent(2)) / 2, wo = int(x.extent(3)) / 2;
@@ -55,12 +55,30 @@ class MaxPool2d {
     return dx;
   }
 
+  /// \brief Forward mode (R-op): each output's tangent is that of the input its window took
+  /// (the last forward's maximum; ties as there).
+  /// \param dx [in] the input's tangent, or empty (zero); the result is then empty too
+  Tensor rop(const Tensor& dx, const std::vector<ConstVector>&) {
+    if (!dx.data()) return Tensor();
+    const auto arg = arg_view_;
+    const Tensor ry = ry_.tensor(arg.extent(0), arg.extent(1), arg.extent(2), arg.extent(3));
+    const int wo = int(arg.extent(3));
+    Kokkos::parallel_for("nn::maxpool::rop", range3(arg.extent(0), arg.extent(1), arg.extent(2)),
+                         KOKKOS_LAMBDA(const int s, const int c, const int oh) {
+                           for (int ow = 0; ow < wo; ++ow) {
+                             const int k = arg(s, c, oh, ow);
+                             ry(s, c, oh, ow) = dx(s, c, 2 * oh + k / 2, 2 * ow + k % 2);
+                           }
+                         });
+    return ry;
+  }
+
   std::vector<Param> params() const { return {}; }
 
  private:
   Buffer<float> y_;
   Buffer<int> arg_;
-  Buffer<float> dx_;
+  Buffer<float> dx_, ry_;
   Kokkos::View<int****, Kokkos::LayoutRight, MemSpace> arg_view_;
   int in_shape_[4] = {0, 0, 0, 0};
 };

@@ -61,7 +61,7 @@ class Network {
   /// input and parameters of the last forward pass, along a parameter direction v (one pass).
   /// \param direction [in] one view per parameter, in params()' order, each of its size
   /// \return (N, outputs, 1, 1), owned by the last layer until the next rop
-  /// \throws std::invalid_argument on a layer kind without an R-op (Conv2d, BatchNorm2d, MaxPool2d)
+  /// \throws std::invalid_argument on a layer kind without an R-op (every kind of nn::Layer has one)
   Tensor rop(const std::vector<ConstVector>& direction) {
     std::size_t next = 0;
     Tensor t;  // empty: zero, until the first layer with parameters

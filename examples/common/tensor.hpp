@@ -67,8 +67,11 @@ KOKKOS_INLINE_FUNCTION double sum_of(int n, const F& f) {
   return (a0 + a1) + (a2 + a3);
 }
 
-/// \brief Whether a forward pass is part of training (batch statistics) or of evaluation.
-enum class Mode { train, eval };
+/// \brief Whether a forward pass is part of training (batch statistics, running statistics
+/// updated) or of evaluation (running statistics); `probe` is the training function without the
+/// running statistics' update, for a second look at the same batch (self-tuned K-FAC's loss after
+/// its update), so that the running statistics move once per step.
+enum class Mode { train, eval, probe };
 
 /// \brief The (N, C*H*W) matrix over the memory of `t`. Unmanaged: `t`'s owner keeps it alive.
 inline Matrix as_matrix(const Tensor& t) {

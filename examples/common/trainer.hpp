@@ -160,7 +160,7 @@ class Trainer {
     if (auto* kfac = std::get_if<KfacSgd>(&rule_)) {
 #if KFAC_EXAMPLES_HAVE_KFAC
       if (settings_.kfac.adaptive) {
-        auto after = [&] { return loss_.forward(net_.forward(b.x, Mode::train), b.y).mean_loss(); };
+        auto after = [&] { return loss_.forward(net_.forward(b.x, Mode::probe), b.y).mean_loss(); };
         kfac->step_adaptive(net_, AdaptiveLoss{loss_curvature(loss_), logits, stats.mean_loss(), after});
       } else {
         kfac->step(net_);

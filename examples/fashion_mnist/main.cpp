@@ -89,8 +89,9 @@ void usage() {
       "                                  preconditioning (default 1; 0: blocking, the same bits)\n"
       "  --adaptive                      self-tuned K-FAC (kfac::SelfTuning, its defaults): step size, momentum and\n"
       "                                  damping from the exact curvature each step (R-op products), no lr, momentum,\n"
-      "                                  damping or KL clip to choose (those flags do not apply to kfac); one\n"
-      "                                  process, MLP models only (the CNNs' layers have no R-op)\n"
+      "                                  damping or KL clip to choose: --damping, --kl-clip, --lr-kfac,\n"
+      "                                  --damping-start and --kl-clip-power are refused, and --lr and --momentum\n"
+      "                                  unless another optimizer runs too (they are its settings then); one process\n"
       "  --model-figures measured|defaults   machine figures of the K-FAC cost-model line: measured at start-up\n"
       "                                  by kfac::measure_machine_figures (about 1.5 s), or kfac::MachineFigures'\n"
       "                                  defaults (default measured)\n"
@@ -150,6 +151,21 @@ std::vector<double> to_numbers(const std::string& key, const std::string& value)
   return v;
 }
 
+/// \brief Under --adaptive, kfac::SelfTuning chooses K-FAC's step size, momentum and damping, and
+/// there is no KL clip: a flag that would set one of them would be ignored, so it is refused
+/// (naming it). --lr and --momentum also set SGD's, Adam's and NG-SGD's: refused only when K-FAC
+/// is the one optimizer of the run.
+void refuse_tuned_flags(const std::vector<std::string>& given, const std::string& optimizer) {
+  const bool kfac_only = optimizer == "kfac";
+  for (const std::string& key : given) {
+    const bool kfac_flag = key == "--damping" || key == "--kl-clip" || key == "--lr-kfac" || key == "--damping-start" ||
+                           key == "--kl-clip-power";
+    if (kfac_flag || (kfac_only && (key == "--lr" || key == "--momentum")))
+      throw std::invalid_argument(key + ": not used with --adaptive (self-tuned K-FAC chooses its step size, momentum "
+                                  "and damping, and has no KL clip); drop " + key + " or --adaptive");
+  }
+}
+
 /// \param argv [in] the command line without the program name and the --kokkos-* options
 Args parse(const std::vector<std::string>& argv) {
   Args a;
@@ -162,6 +178,7 @@ Args parse(const std::vector<std::string>& argv) {
   // An MLP evaluation is cheap, and time to the target needs a finer grid than quarter epochs.
   a.eval_every = a.train.model == "mlp" ? 20 : 0;
   const std::size_t argc = argv.size();
+  std::vector<std::string> given;  // the flags on the command line, for the --adaptive check below
   for (std::size_t i = 0; i < argc; ++i) {
     std::string key = argv[i], value;
     if (key == "-h" || key == "--help") {
@@ -185,6 +202,7 @@ Args parse(const std::vector<std::string>& argv) {
     } else {
       throw std::invalid_argument(key + " needs a value");
     }
+    given.push_back(key);
     auto num = [&](auto& dst) { dst = static_cast<std::remove_reference_t<decltype(dst)>>(to_number(key, value)); };
     if (key == "--optimizer") a.optimizer = value;
     else if (key == "--model") a.train.model = value;
@@ -249,6 +267,7 @@ Args parse(const std::vector<std::string>& argv) {
     else throw std::invalid_argument("unknown option " + key + " (see --help)");
   }
   if (a.epochs < 1 || a.train.batch < 1) throw std::invalid_argument("--epochs and --batch must be >= 1");
+  if (a.train.kfac.adaptive) refuse_tuned_flags(given, a.optimizer);
   if (a.train.recipe.name != "none" && a.train.recipe.name != "large-batch")
     throw std::invalid_argument("--recipe: expected none or large-batch");
   a.train.epochs = a.epochs;
@@ -473,7 +492,7 @@ demo::RunSummary train_one(const Args& args, nn::TrainSettings s, const nn::Worl
   }
 #if KFAC_EXAMPLES_HAVE_KFAC
   if (const nn::KfacSgd* kfac = trainer.kfac(); kfac && lead && kfac->tuning()) {
-    const auto& t = *kfac->tuning();
+    const auto t = *kfac->tuning();  // a copy: tuning() returns a value
     std::printf("[%s] self-tuned: %ld solves, last alpha %.4g mu %.4g, damping %.4g after %ld updates "
                 "(last rho %.3g)\n",
                 name.c_str(), t.solves(), t.last_step().alpha, t.last_step().mu, t.lambda(), t.damping_updates(),
