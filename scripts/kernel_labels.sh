@@ -20,8 +20,10 @@ mode=${1:-}
 shift || true
 [ $# -gt 0 ] || { echo "usage: $0 <check|cover|list> <file>..." >&2; exit 64; }
 
-# Labels of host-only code, not compiled for a device backend.
-host_only=${KFAC_HOST_ONLY_LABELS:-}
+# Labels of host-only code, not compiled for a device backend: kfac::comm::in_flight is the
+# staging of factor sums that overlap the preconditioning, which runs only where the execution
+# space is host accessible (KaisaState::overlaps_sums(); on a device the sums block).
+host_only=${KFAC_HOST_ONLY_LABELS-kfac::comm::in_flight}
 
 # The suite's executables in a build folder: tests, example tests, benchmarks, the demos.
 executables() { find "$1" -type f -perm -u+x \( -name 'test_*' -o -name 'examples_*' -o -name 'bench*' -o -name '*fashion_mnist' \); }
@@ -71,7 +73,7 @@ case "$mode" in
       echo "$missing" | sed 's/^/  /' >&2
       exit 1
     fi
-    echo "kernel_labels: the $# files hold all $total labels of include/kfac that $ref's executables hold"
+    echo "kernel_labels: the $# files hold all $total labels of include/kfac that $ref's executables hold${host_only:+ (host-only, not checked: $host_only)}"
     ;;
   cover)
     declare -A set
