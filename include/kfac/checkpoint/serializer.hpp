@@ -138,69 +138,70 @@ void save_checkpoint(std::ostream& os, const Registry<Scalar, Exec>& reg, const 
   write_checkpoint(os, w.bytes());
 }
 
-/// Reads and checks a checkpoint (version 1 or 2) against `reg`; throws kfac::Error and
-/// changes nothing on any problem.
-template <class Scalar, class Exec>
-CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& reg) {
-  CheckpointPlan cp;
-  cp.body = read_checkpoint(is, cp.version);
-  ByteReader r(cp.body.data(), cp.body.size());
-  long* counters = cp.counters;
-  for (int k = 0; k < 5; ++k) counters[k] = long(r.get<std::int64_t>("step counters"));
-  cp.world = r.get<std::int32_t>("world size");
-  cp.rank = r.get<std::int32_t>("rank");
-  const auto flags = r.get<std::uint32_t>("flags");
-  const std::uint32_t count = r.get<std::uint32_t>("layer count");
-  if (count != reg.size())
-    throw Error("", "checkpoint has " + std::to_string(count) + " layers, this preconditioner has " +
-                        std::to_string(reg.size()));
-  // Real counters stay far below 2^53; the bound keeps step() from overflowing `long`.
-  constexpr long max_step = 1L << 53;
-  auto check_next = [&](long v) {
-    if (v < 0 || v > max_step)
-      throw Error("", "checkpoint has step counter " + std::to_string(v) + ": corrupt");
-  };
-  auto check_last = [&](long v) {
-    if (v < -1 || v >= counters[0])
-      throw Error("", "checkpoint has last-update step " + std::to_string(v) + " at step " +
-                          std::to_string(counters[0]) + ": corrupt");
-  };
-  for (int k = 0; k < 3; ++k) check_next(counters[k]);
-  for (int k = 3; k < 5; ++k) check_last(counters[k]);
-  auto read_buffers = [&](const std::string& name, const std::vector<BufferShape>& shapes, std::vector<const char*>& out) {
-    const std::uint32_t n = r.get<std::uint32_t>("buffer count");
+/// The reader of one checkpoint body: each value checked as it is read (parse_checkpoint).
+class CheckpointReader {
+ public:
+  /// Real counters stay far below 2^53; the bound keeps step() from overflowing `long`.
+  static constexpr long max_step = 1L << 53;
+
+  CheckpointReader(const std::vector<char>& body, std::uint32_t version)
+      : r_(body.data(), body.size()), version_(version) {}
+  ByteReader& bytes() { return r_; }
+
+  /// The five step counters (the step, the next statistics and decomposition steps, the last
+  /// of each), checked by check_counters().
+  void read_counters(long* counters) {
+    for (int k = 0; k < 5; ++k) counters[k] = long(r_.get<std::int64_t>("step counters"));
+    step_ = counters[0];
+  }
+  void check_counters(const long* counters) const {
+    for (int k = 0; k < 3; ++k) check_next(counters[k]);
+    for (int k = 3; k < 5; ++k) check_last(counters[k]);
+  }
+  void check_next(long v) const {
+    if (v < 0 || v > max_step) throw Error("", "checkpoint has step counter " + std::to_string(v) + ": corrupt");
+  }
+  void check_last(long v) const {
+    if (v < -1 || v >= step_)
+      throw Error("", "checkpoint has last-update step " + std::to_string(v) + " at step " + std::to_string(step_) +
+                          ": corrupt");
+  }
+  /// A list of buffers of the given shapes (or none), finite, as pointers into the body.
+  void read_buffers(const std::string& name, const std::vector<BufferShape>& shapes, std::vector<const char*>& out) {
+    const std::uint32_t n = r_.get<std::uint32_t>("buffer count");
     if (n == 0) return;
     if (n != shapes.size())
       throw Error(name, "checkpoint buffer count " + std::to_string(n) + " does not match " +
                             std::to_string(shapes.size()));
     for (const auto& [cnt, size] : shapes) {
-      const auto ss = r.get<std::uint8_t>("scalar size");
-      const auto c = r.get<std::uint64_t>("value count");
+      const auto ss = r_.get<std::uint8_t>("scalar size");
+      const auto c = r_.get<std::uint64_t>("value count");
       if (ss != size || c != cnt)
         throw Error(name, "checkpoint buffer has " + std::to_string(c) + " values of " +
                               std::to_string(int(ss)) + " bytes, expected " + std::to_string(cnt) +
                               " of " + std::to_string(size));
-      const char* values = r.get_raw(std::size_t(c) * ss, "buffer values");
+      const char* values = r_.get_raw(std::size_t(c) * ss, "buffer values");
       // save() never writes NaN/Inf (statistics and decompositions are checked when made);
       // loading one would poison every later decomposition.
       if (!all_finite(values, std::size_t(c), ss))
         throw Error(name, "checkpoint has NaN/Inf values in its saved state: corrupt");
       out.push_back(values);
     }
-  };
-  cp.layers.resize(count);
-  for (std::uint32_t i = 0; i < count; ++i) {
-    auto& block = *reg[i].block;
-    const std::string name = r.get_string("layer name");
-    const std::string sig = r.get_string("layer signature");
-    if (name != block.name())
-      throw Error(block.name(), "checkpoint has layer '" + name + "' in this position");
+  }
+
+  /// One layer's record: its name and signature (checked against `block`), schedule,
+  /// statistics and decomposition.
+  template <class Block>
+  CheckpointPlan::Layer read_layer(const Block& block) {
+    const std::string name = r_.get_string("layer name");
+    const std::string sig = r_.get_string("layer signature");
+    if (name != block.name()) throw Error(block.name(), "checkpoint has layer '" + name + "' in this position");
     if (sig != block.signature())
       throw Error(name, "checkpoint was written for " + sig + ", this layer is " + block.signature());
-    auto& p = cp.layers[i];
-    if (cp.version >= 2) {
+    CheckpointPlan::Layer p;
+    if (version_ >= 2) {
       long s[4];
-      for (long& v : s) v = long(r.get<std::int64_t>("layer schedule"));
+      for (long& v : s) v = long(r_.get<std::int64_t>("layer schedule"));
       check_next(s[0]);
       check_next(s[1]);
       check_last(s[2]);
@@ -208,19 +209,56 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
       p.schedule = {s[0], s[1], s[2], s[3]};
       p.has_schedule = true;
     }
-    p.has_state = r.get<std::uint8_t>("factor flag") != 0;
+    p.has_state = r_.get<std::uint8_t>("factor flag") != 0;
     read_buffers(name, block.checkpoint_shapes(), p.state);
     if (p.has_state != !p.state.empty())
       throw Error(name, "checkpoint factor flag disagrees with its buffers: corrupt");
-    p.has_decomposition = r.get<std::uint8_t>("decomposition flag") != 0;
-    p.damping = r.get<double>("decomposition damping");
+    p.has_decomposition = r_.get<std::uint8_t>("decomposition flag") != 0;
+    p.damping = r_.get<double>("decomposition damping");
     if (!std::isfinite(p.damping) || p.damping < 0 || (p.has_decomposition && p.damping == 0))
-      throw Error(name, "checkpoint has decomposition damping " + std::to_string(p.damping) +
-                            ": corrupt");
+      throw Error(name, "checkpoint has decomposition damping " + std::to_string(p.damping) + ": corrupt");
+    read_units(block, p);
+    return p;
+  }
+
+  /// A decomposition launched before the save (Options::decomposition_delay), of a layer after
+  /// `previous` (-1: the first) among `reg`'s.
+  template <class Reg>
+  CheckpointPlan::InFlight read_in_flight(const Reg& reg, long previous) {
+    CheckpointPlan::InFlight d;
+    d.layer = r_.get<std::uint32_t>("in-flight layer");
+    if (d.layer >= reg.size() || long(d.layer) <= previous)
+      throw Error("", "checkpoint has an in-flight decomposition of layer " + std::to_string(d.layer) + ": corrupt");
+    const auto& block = *reg[d.layer].block;
+    d.launched = long(r_.get<std::int64_t>("in-flight launch step"));
+    d.swap_at = long(r_.get<std::int64_t>("in-flight swap step"));
+    d.damping = r_.get<double>("in-flight damping");
+    if (d.launched < 0 || d.launched >= step_ || d.swap_at <= d.launched || d.swap_at > max_step ||
+        !std::isfinite(d.damping) || !(d.damping > 0))
+      throw Error(block.name(), "checkpoint has an in-flight decomposition of step " + std::to_string(d.launched) +
+                                    " due at step " + std::to_string(d.swap_at) + ": corrupt");
+    const std::uint32_t units = r_.get<std::uint32_t>("in-flight unit count");
+    for (std::uint32_t k = 0; k < units; ++k) {
+      const auto u = r_.get<std::uint32_t>("in-flight unit");
+      if (int(u) >= block.units() || (k > 0 && int(u) <= d.units.back()))
+        throw Error(block.name(), "checkpoint has in-flight unit " + std::to_string(u) + ": corrupt");
+      d.units.push_back(int(u));
+    }
+    read_buffers(block.name(), block.checkpoint_shapes(), d.state);
+    if (d.units.empty() != d.state.empty())
+      throw Error(block.name(), "checkpoint in-flight units disagree with their statistics: corrupt");
+    return d;
+  }
+
+ private:
+  /// A layer's decomposed units, consistent with its decomposition flag.
+  template <class Block>
+  void read_units(const Block& block, CheckpointPlan::Layer& p) {
+    const std::string& name = block.name();
     // Version 1 always has two lists (empty for closed forms); version 2 says how many.
-    const std::uint32_t units = cp.version >= 2 ? r.get<std::uint32_t>("unit count") : 2;
+    const std::uint32_t units = version_ >= 2 ? r_.get<std::uint32_t>("unit count") : 2;
     const int expected = block.units();
-    if (cp.version >= 2 && units != 0 && int(units) != expected)
+    if (version_ >= 2 && units != 0 && int(units) != expected)
       throw Error(name, "checkpoint has " + std::to_string(units) + " decomposed units, expected " +
                             std::to_string(expected));
     p.units.resize(units);
@@ -236,32 +274,33 @@ CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& 
       for (const auto& list : p.units)
         if (!list.empty()) throw Error(name, "checkpoint decomposition flag disagrees with its buffers: corrupt");
   }
+
+  ByteReader r_;
+  std::uint32_t version_;
+  long step_ = 0;
+};
+
+/// Reads and checks a checkpoint (version 1 or 2) against `reg`; throws kfac::Error and
+/// changes nothing on any problem.
+template <class Scalar, class Exec>
+CheckpointPlan parse_checkpoint(std::istream& is, const Registry<Scalar, Exec>& reg) {
+  CheckpointPlan cp;
+  cp.body = read_checkpoint(is, cp.version);
+  CheckpointReader in(cp.body, cp.version);
+  ByteReader& r = in.bytes();
+  in.read_counters(cp.counters);
+  cp.world = r.get<std::int32_t>("world size");
+  cp.rank = r.get<std::int32_t>("rank");
+  const auto flags = r.get<std::uint32_t>("flags");
+  const std::uint32_t count = r.get<std::uint32_t>("layer count");
+  if (count != reg.size())
+    throw Error("", "checkpoint has " + std::to_string(count) + " layers, this preconditioner has " +
+                        std::to_string(reg.size()));
+  in.check_counters(cp.counters);
+  for (std::uint32_t i = 0; i < count; ++i) cp.layers.push_back(in.read_layer(*reg[i].block));
   const std::uint32_t flying = (flags & 2) ? r.get<std::uint32_t>("in-flight count") : 0;
-  for (std::uint32_t f = 0; f < flying; ++f) {
-    CheckpointPlan::InFlight d;
-    d.layer = r.get<std::uint32_t>("in-flight layer");
-    if (d.layer >= count || (f > 0 && d.layer <= cp.in_flight.back().layer))
-      throw Error("", "checkpoint has an in-flight decomposition of layer " + std::to_string(d.layer) + ": corrupt");
-    const auto& block = *reg[d.layer].block;
-    d.launched = long(r.get<std::int64_t>("in-flight launch step"));
-    d.swap_at = long(r.get<std::int64_t>("in-flight swap step"));
-    d.damping = r.get<double>("in-flight damping");
-    if (d.launched < 0 || d.launched >= counters[0] || d.swap_at <= d.launched || d.swap_at > max_step ||
-        !std::isfinite(d.damping) || !(d.damping > 0))
-      throw Error(block.name(), "checkpoint has an in-flight decomposition of step " + std::to_string(d.launched) +
-                                    " due at step " + std::to_string(d.swap_at) + ": corrupt");
-    const std::uint32_t units = r.get<std::uint32_t>("in-flight unit count");
-    for (std::uint32_t k = 0; k < units; ++k) {
-      const auto u = r.get<std::uint32_t>("in-flight unit");
-      if (int(u) >= block.units() || (k > 0 && int(u) <= d.units.back()))
-        throw Error(block.name(), "checkpoint has in-flight unit " + std::to_string(u) + ": corrupt");
-      d.units.push_back(int(u));
-    }
-    read_buffers(block.name(), block.checkpoint_shapes(), d.state);
-    if (d.units.empty() != d.state.empty())
-      throw Error(block.name(), "checkpoint in-flight units disagree with their statistics: corrupt");
-    cp.in_flight.push_back(std::move(d));
-  }
+  for (std::uint32_t f = 0; f < flying; ++f)
+    cp.in_flight.push_back(in.read_in_flight(reg, f > 0 ? long(cp.in_flight.back().layer) : -1L));
   if (!r.done()) throw Error("", "checkpoint has trailing bytes: corrupt");
   return cp;
 }

@@ -335,10 +335,27 @@ class StepPhases {
 
   long decompose_now() {
     const ScopedRegion region("kfac::step::decompose");
+    const Computed c = compute_units();
+    const long verdict = agree_on_units(c);
+    share_units(verdict);
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (swaps(l)) flying_.deferred(l).drop();
+    backup_.clear();
+    return c.retries;
+  }
+
+  /// What compute_units() did on this rank.
+  struct Computed {
     std::optional<Error> failed;
-    long failed_layer = 0, retries = 0;  // failed_layer is 1-based, 0 = none
-    bool reshare = false;  // a unit shared in the background was retried here: share again
-    for (std::size_t l = 0; l < reg_.size() && !failed; ++l) {
+    long failed_layer = 0;  ///< 1-based, 0 = none
+    long retries = 0;
+    bool reshare = false;  ///< a unit shared in the background was retried here: share again
+  };
+  /// This rank's units of the layers due (or swapped in) now, backed up first, with damping
+  /// retries; stops at the first failure.
+  Computed compute_units() {
+    Computed c;
+    for (std::size_t l = 0; l < reg_.size() && !c.failed; ++l) {
       auto& e = reg_[l];
       const bool swap = swaps(l);
       if (!(swap || needs(l)) || e.block->units() == 0 || !dist_.holds(l)) continue;
@@ -351,43 +368,54 @@ class StepPhases {
         for (int u = 0; u < e.block->units(); ++u)
           if (dist_.computes(l, u)) units.push_back(u);
       }
-      for (std::size_t k = 0; k < units.size() && !failed; ++k) {
+      for (std::size_t k = 0; k < units.size() && !c.failed; ++k) {
         const int u = units[k];
         if (e.decomposed)
           for (const auto& b : e.block->unit_buffers(u)) backup_.save(exec_, b);
         try {
           if (!swap) {
-            retries += with_retries(*e.block, u, due_[l].values.damping);
+            c.retries += with_retries(*e.block, u, due_[l].values.damping);
           } else {  // the first attempt ran in flight; retries, if any, run here on the shadow
             auto& d = flying_.deferred(l);
             const long r = with_retries(d.shadow(), u, d.damping(), &d.failure(k));
-            retries += r;
-            reshare = reshare || (r > 0 && d.shared_in_background());
+            c.retries += r;
+            c.reshare = c.reshare || (r > 0 && d.shared_in_background());
             copy_into(exec_, d.shadow().unit_buffers(u), e.block->unit_buffers(u));
           }
         } catch (const Error& err) {
-          failed = err;
+          c.failed = err;
         } catch (const std::exception& err) {  // e.g. std::bad_alloc inside a solver
-          failed = Error(e.block->name(), std::string("decomposition failed: ") + err.what());
+          c.failed = Error(e.block->name(), std::string("decomposition failed: ") + err.what());
         }
-        if (failed) failed_layer = long(l) + 1;
+        if (c.failed) c.failed_layer = long(l) + 1;
       }
     }
-    // The lowest failing rank tells every rank what failed, so that all throw the same error
-    // (verdict world - rank + 1); 1: no failure, but some unit must be shared again.
+    return c;
+  }
+
+  /// The lowest failing rank tells every rank what failed, so that all restore their state and
+  /// throw the same error. Returns the verdict otherwise: 1 when some unit must be shared again
+  /// (compute_units' reshare on some rank), else 0.
+  long agree_on_units(const Computed& c) {
     const int world = dist_.agreement_size(), rank = world == 1 ? 0 : dist_.comm().rank();
-    const long verdict = dist_.agree_max(failed_layer > 0 ? long(world - rank) + 1 : reshare ? 1L : 0L);
-    if (verdict > 1) {
-      rollback();
-      for (std::size_t l = 0; l < reg_.size(); ++l)
-        if (swaps(l)) flying_.deferred(l).drop();
-      if (world == 1) throw *failed;
-      const int root = world - int(verdict - 1);
-      const bool me = rank == root;
-      const std::string layer = dist_.share_message(me ? failed->layer() : "", root);
-      const std::string what = dist_.share_message(me ? bare_message(*failed) : "", root);
-      throw Error(layer, what + " (on rank " + std::to_string(root) + "; every rank restored its state)");
-    }
+    // verdict world - rank + 1 names the failing rank; 1: no failure, but a unit to share again.
+    const long verdict = dist_.agree_max(c.failed_layer > 0 ? long(world - rank) + 1 : c.reshare ? 1L : 0L);
+    if (verdict <= 1) return verdict;
+    rollback();
+    for (std::size_t l = 0; l < reg_.size(); ++l)
+      if (swaps(l)) flying_.deferred(l).drop();
+    if (world == 1) throw *c.failed;
+    const int root = world - int(verdict - 1);
+    const bool me = rank == root;
+    const std::string layer = dist_.share_message(me ? c.failed->layer() : "", root);
+    const std::string what = dist_.share_message(me ? bare_message(*c.failed) : "", root);
+    throw Error(layer, what + " (on rank " + std::to_string(root) + "; every rank restored its state)");
+  }
+
+  /// Shares every decomposed layer's units with the layer's other holders (or takes those that
+  /// arrived in the background; `verdict` 1: send them again) and settles the layer, or leaves
+  /// it to precondition() while the broadcasts are in flight.
+  void share_units(long verdict) {
     for (std::size_t l = 0; l < reg_.size(); ++l) {
       auto& e = reg_[l];
       const bool swap = swaps(l);
@@ -413,10 +441,6 @@ class StepPhases {
       }
       finisher()(l, damping);
     }
-    for (std::size_t l = 0; l < reg_.size(); ++l)
-      if (swaps(l)) flying_.deferred(l).drop();
-    backup_.clear();
-    return retries;
   }
 
   /// A failed decomposition (LAPACK info, Cholesky breakdown, Newton-Schulz divergence, NaN/Inf

@@ -424,7 +424,6 @@ class CostModel {
     p.assignment = WorkAssignment(world, policy.grad_worker_fraction, costs, policy.colocate_factors,
                                   policy.group_layout, policy.placement);
     const WorkAssignment& a = p.assignment;
-    const int gw = a.grad_workers();
 
     p.ranks.resize(std::size_t(world));
     for (int r = 0; r < world; ++r) {
@@ -442,6 +441,26 @@ class CostModel {
     for (auto& rc : p.ranks) rc.factor_seconds = p.factor_compute_seconds;
     factor_averaging(p, skip, policy);
 
+    decomposition_phase(p, skip);
+    preconditioning_phase(p, skip, policy);
+    for (std::size_t l = 0; l < n; ++l)
+      if (!skip[l]) p.gradient_pass_seconds += machine_.gradient_pass_seconds(layers_[l], v.kl_clip > 0);
+    return p;
+  }
+
+  /// Shorthand: default options with gradient-worker fraction `fraction`.
+  CostPrediction predict(int world, double fraction) const {
+    return predict(world, Options{}.with_grad_worker_fraction(fraction));
+  }
+
+ private:
+  /// The decomposition phase of `p` (its assignment made): each rank's decompositions, the
+  /// agreement on failures and the broadcasts within worker groups.
+  void decomposition_phase(CostPrediction& p, const std::vector<bool>& skip) const {
+    const std::size_t n = layers_.size();
+    const int world = p.world;
+    const WorkAssignment& a = p.assignment;
+    const int gw = a.grad_workers();
     // Decomposition phase, replaying Preconditioner::decompose: every rank first runs its own
     // decompositions, then all ranks agree on failures (one allreduce of a long), then the
     // buffers are broadcast within worker groups in layer order.
@@ -475,12 +494,20 @@ class CostModel {
         }
     }
     p.decomposition_phase_seconds = *std::max_element(clock.begin(), clock.end());
+  }
 
+  /// The preconditioning phase of `p`: every rank's applies (split or whole), the all-gathers
+  /// of split preconditioning and the receiver groups' broadcasts.
+  void preconditioning_phase(CostPrediction& p, const std::vector<bool>& skip, const Kaisa& policy) const {
+    const std::size_t n = layers_.size();
+    const int world = p.world;
+    const WorkAssignment& a = p.assignment;
+    const int gw = a.grad_workers();
     // Preconditioning phase, replaying Preconditioner::precondition: every rank preconditions
     // all of its layers (with split_preconditioning its rows of them, pass by pass, each pass
     // followed by the all-gathers in layer order), then the receiver broadcasts follow in
     // layer order.
-    std::fill(clock.begin(), clock.end(), 0.0);
+    std::vector<double> clock(std::size_t(world), 0.0);
     std::vector<int> passes(n, 0);  // of the divided applies (0: whole)
     for (std::size_t l = 0; l < n; ++l)
       if (!skip[l] && policy.split_preconditioning && world > 1 && gw > 1 && layers_[l].decomposed_factors() > 0)
@@ -533,17 +560,8 @@ class CostModel {
       }
     }
     p.preconditioning_phase_seconds = *std::max_element(clock.begin(), clock.end());
-    for (std::size_t l = 0; l < n; ++l)
-      if (!skip[l]) p.gradient_pass_seconds += machine_.gradient_pass_seconds(layers_[l], v.kl_clip > 0);
-    return p;
   }
 
-  /// Shorthand: default options with gradient-worker fraction `fraction`.
-  CostPrediction predict(int world, double fraction) const {
-    return predict(world, Options{}.with_grad_worker_fraction(fraction));
-  }
-
- private:
   static bool skipped(const LayerShape& s, const Options& o) {
     for (const auto& k : o.skip_layers)
       if (k == s.name || k == s.kind) return true;

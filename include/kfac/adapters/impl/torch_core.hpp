@@ -345,6 +345,11 @@ class TorchCore {
   };
   std::vector<ModuleProblem> check_observed() const;
   void refresh_wanted();
+  using Owners = std::vector<std::pair<const void*, std::string>>;  ///< parameter memory -> its module
+  /// What stops a translated module's parameters from being registered ("": nothing): half
+  /// frozen, on another device, of another dtype than the others' (the first sets dtype_), or
+  /// tied to a parameter of a module in `owners`.
+  std::string parameter_problem(const TorchLayer& t, const Owners& owners);
 
   const TorchFrontEnd* front_;
   long accumulation_steps_;
@@ -368,7 +373,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     TorchLayer layer;
   };
   std::vector<Found> found;
-  std::vector<std::pair<const void*, std::string>> owners;  // parameter memory -> the module registering it
+  Owners owners;
   std::vector<ModuleProblem> problems;
   for (const TorchModuleSpec& s : specs) {
     if (s.skipped) {
@@ -392,37 +397,12 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
       problem(why);
       continue;
     }
-    const at::Tensor& weight = t->weight;
-    const at::Tensor& bias = t->bias;
-    const bool weight_frozen = !weight.requires_grad();
-    if (bias.defined() && weight_frozen != !bias.requires_grad()) {
-      problem(std::string("its ") + (weight_frozen ? "weight" : "bias") + " is frozen (requires_grad = false) but its " +
-              (weight_frozen ? "bias" : "weight") + " is not; freeze both, or " + front.skip_hint);
-      continue;
-    }
-    for (const at::Tensor* p : {&weight, &bias}) {  // the first problem of the module only
-      const std::string dev = torch_device_problem(*p, "a parameter");
-      if (!dev.empty()) why = dev;
-      else if (p->defined() && p->scalar_type() != at::kFloat && p->scalar_type() != at::kDouble)
-        why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + "; kfac supports float32 and float64";
-      else if (p->defined() && dtype_ != at::ScalarType::Undefined && p->scalar_type() != dtype_)
-        why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + " where the other modules' are " +
-              c10::toString(dtype_) + "; one model, one dtype";
-      else if (p->defined()) dtype_ = p->scalar_type();
-      if (!why.empty()) break;
-    }
-    // Tied weights (an Embedding's weight reused by the head): each module would precondition the
-    // one gradient in place for its own factors.
-    for (const at::Tensor* p : {&weight, &bias})
-      for (const auto& [memory, owner] : owners)
-        if (why.empty() && p->defined() && p->data_ptr() != nullptr && p->data_ptr() == memory)
-          why = std::string("its ") + (p == &weight ? "weight" : "bias") + " is also a parameter of '" + owner +
-                "' (tied weights): kfac preconditions each module's gradient for its own factors; " + front.skip_hint;
+    why = parameter_problem(*t, owners);
     if (!why.empty()) {
       problem(why);
       continue;
     }
-    for (const at::Tensor* p : {&weight, &bias})
+    for (const at::Tensor* p : {&t->weight, &t->bias})
       if (p->defined() && p->data_ptr() != nullptr) owners.emplace_back(p->data_ptr(), s.name);
     found.push_back({&s, std::move(*t)});
   }
@@ -448,6 +428,37 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     entries_.push_back({s.name, f.layer.weight, f.layer.bias});
   }
   refresh_wanted();
+}
+
+inline std::string TorchCore::parameter_problem(const TorchLayer& t, const Owners& owners) {
+  const TorchFrontEnd& front = *front_;
+  std::string why;
+  const at::Tensor& weight = t.weight;
+  const at::Tensor& bias = t.bias;
+  const bool weight_frozen = !weight.requires_grad();
+  if (bias.defined() && weight_frozen != !bias.requires_grad()) {
+    return std::string("its ") + (weight_frozen ? "weight" : "bias") + " is frozen (requires_grad = false) but its " +
+           (weight_frozen ? "bias" : "weight") + " is not; freeze both, or " + front.skip_hint;
+  }
+  for (const at::Tensor* p : {&weight, &bias}) {  // the first problem of the module only
+    const std::string dev = torch_device_problem(*p, "a parameter");
+    if (!dev.empty()) why = dev;
+    else if (p->defined() && p->scalar_type() != at::kFloat && p->scalar_type() != at::kDouble)
+      why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + "; kfac supports float32 and float64";
+    else if (p->defined() && dtype_ != at::ScalarType::Undefined && p->scalar_type() != dtype_)
+      why = std::string("parameters of dtype ") + c10::toString(p->scalar_type()) + " where the other modules' are " +
+            c10::toString(dtype_) + "; one model, one dtype";
+    else if (p->defined()) dtype_ = p->scalar_type();
+    if (!why.empty()) break;
+  }
+  // Tied weights (an Embedding's weight reused by the head): each module would precondition the
+  // one gradient in place for its own factors.
+  for (const at::Tensor* p : {&weight, &bias})
+    for (const auto& [memory, owner] : owners)
+      if (why.empty() && p->defined() && p->data_ptr() != nullptr && p->data_ptr() == memory)
+        why = std::string("its ") + (p == &weight ? "weight" : "bias") + " is also a parameter of '" + owner +
+              "' (tied weights): kfac preconditions each module's gradient for its own factors; " + front.skip_hint;
+  return why;
 }
 
 inline std::vector<std::string> TorchCore::modules() const {
