@@ -100,7 +100,7 @@ class Preconditioner {
     }
     for (const auto& e : reg_.entries())
       if (e.block->name() == name) throw Error(name, "a layer with this name is already registered");
-    allocating(name, "register_layer", [&] {
+    impl::allocating(name, "register_layer", [&] {
       reg_.add([make = layer.make, name] { return make(name); }, layer.overrides, skipped(name, layer.kind.c_str()),
                step_);
     });
@@ -164,7 +164,7 @@ class Preconditioner {
     if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
     if (!factor_due(e) || e.skipped || e.poisoned) return;  // a poisoned layer ignores the rest of its step
     if (impl::check_finite(exec_, options_, name, t, "input"))
-      allocating(name, "observe_input", [&] { e.block->observe_input(exec_, t, int(View::rank)); });
+      impl::allocating(name, "observe_input", [&] { e.block->observe_input(exec_, t, int(View::rank)); });
     else poisoned_ = e.poisoned = true;
   }
   /// \brief The gradient of the loss with respect to the layer's output (pre-activation),
@@ -180,7 +180,7 @@ class Preconditioner {
     }
     impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t, int(View::rank))));
     if (!impl::check_finite(exec_, options_, name, t, "output gradient")) return void(poisoned_ = e.poisoned = true);
-    allocating(name, "observe_output_grad", [&] {
+    impl::allocating(name, "observe_output_grad", [&] {
       const double scale = options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0;
       e.block->observe_output_grad(exec_, t, scale, int(View::rank));
     });
@@ -354,51 +354,11 @@ class Preconditioner {
     in_flight_.drop_all();
     fresh_ = true;
   }
-  /// Runs `f`, which may allocate the layer's memory: a failed allocation (Kokkos throws
-  /// std::bad_alloc in 3.4, std::runtime_error in 4.x) becomes a kfac::Error naming the layer.
-  template <class F>
-  static void allocating(const std::string& name, const char* call, F&& f) {
-    try {
-      f();
-    } catch (const Error&) {
-      throw;
-    } catch (const std::bad_alloc& e) {
-      throw Error(name, std::string(call) + ": cannot allocate the layer's memory (" + e.what() + ")");
-    } catch (const std::runtime_error& e) {
-      throw Error(name, std::string(call) + ": cannot allocate the layer's memory (" + e.what() + ")");
-    }
-  }
   bool factor_due(const entry_type& e) const { return step_ >= e.schedule.next_factor; }
-  std::string registration_signature() const {
-    std::string sig = dist_.signature(options_);
-    for (const auto& e : reg_.entries()) sig += e.block->name() + ":" + e.block->signature() + (e.skipped ? ":skip" : "") + ";";
-    return sig;
-  }
-
-  /// Every setting that changes the result and is fixed at registration, by name: the Options
-  /// fields that are not hyperparameters and each layer's method settings (Block::settings).
-  std::string configuration_text() const {
-    std::string t = impl::options_text(options_);
-    for (const auto& e : reg_.entries()) t += impl::method_text(e.block->name() + ".", e.block->settings());
-    return t;
-  }
-  /// What the ranks agree on at step(), by name, compared only when a hash differs
-  /// (impl::differing_settings): the registration, the step's schedule and hyperparameter
-  /// values (each layer's, with its overrides), and configuration_text().
+  std::string registration_signature() const { return impl::registration_signature(dist_.signature(options_), reg_); }
+  std::string configuration_text() const { return impl::configuration_text(options_, reg_); }
   std::string settings_text(const StepValues& v, const std::vector<impl::Due>& due) const {
-    std::string t;  // the registration first: what differs there is named before its consequences
-    impl::put_setting(t, "distribution", dist_.signature(options_));
-    for (const auto& e : reg_.entries())
-      impl::put_setting(t, e.block->name() + ".method", e.block->signature() + (e.skipped ? " (skipped)" : ""));
-    impl::put_setting(t, "step", std::to_string(step_));
-    t += impl::values_text("", v);
-    for (std::size_t l = 0; l < reg_.size(); ++l) {
-      const std::string layer = reg_[l].block->name() + ".";
-      impl::put_setting(t, layer + "updates", std::string(due[l].factor ? "statistics" : "") + (due[l].inv ? " decomposition" : "") +
-                                                  (due[l].defer ? " deferred" : ""));
-      t += impl::values_text(layer, due[l].values);
-    }
-    return t + configuration_text();
+    return impl::settings_text(dist_.signature(options_), reg_, step_, v, due) + configuration_text();
   }
 
   void skip_step() {
@@ -412,26 +372,11 @@ class Preconditioner {
     ++step_;
   }
 
-  /// Every Options::skip_layers entry names a registered layer or a kind of layer (a kind
-  /// may match none: "batch_norm" for a network without one); a misspelt name would otherwise
-  /// leave its layer preconditioned silently.
   void check_skip_layers() const {
-    const char* const kinds[] = {Dense::kind, Conv2d::kind, BatchNorm2d::kind, LayerNorm::kind, Parameter::kind};
-    std::string listed;
-    for (const char* k : kinds) listed += (listed.empty() ? "" : ", ") + std::string(k);
-    for (const auto& s : options_.skip_layers) {
-      bool found = std::find(std::begin(kinds), std::end(kinds), s) != std::end(kinds);
-      for (const auto& e : reg_.entries()) found = found || s == e.block->name() || s == e.block->kind();
-      if (!found)
-        throw Error("", "Options::skip_layers entry '" + s + "' matches no registered layer name or kind of layer (" +
-                            listed + ", or a registered layer's own kind)");
-    }
+    impl::check_skip_layers(options_, reg_,
+                            {Dense::kind, Conv2d::kind, BatchNorm2d::kind, LayerNorm::kind, Parameter::kind});
   }
-  bool skipped(const std::string& name, const char* kind) const {
-    for (const auto& s : options_.skip_layers)
-      if (s == name || s == kind) return true;
-    return false;
-  }
+  bool skipped(const std::string& name, const char* kind) const { return impl::skip_listed(options_, name, kind); }
   Options options_;
   Exec exec_;
   Distribution policy_;

@@ -264,5 +264,43 @@ bool agree_on_step(const Dist& dist, const LocalVerdict& mine, int rank, int wor
   throw Error("", std::string(what) + (named.empty() ? "" : ": " + named) + "; the step was refused on every rank");
 }
 
+/// What the ranks' registrations must agree on: the distribution's signature, then each
+/// layer's name, method signature and whether it is skipped.
+template <class Reg>
+std::string registration_signature(const std::string& distribution, const Reg& reg) {
+  std::string sig = distribution;
+  for (const auto& e : reg.entries())
+    sig += e.block->name() + ":" + e.block->signature() + (e.skipped ? ":skip" : "") + ";";
+  return sig;
+}
+/// Every setting that changes the result and is fixed at registration, by name: the Options
+/// fields that are not hyperparameters and each layer's method settings (Block::settings).
+template <class Reg>
+std::string configuration_text(const Options& o, const Reg& reg) {
+  std::string t = options_text(o);
+  for (const auto& e : reg.entries()) t += method_text(e.block->name() + ".", e.block->settings());
+  return t;
+}
+/// What the ranks agree on at a step, by name, compared only when a hash differs
+/// (differing_settings): the registration, the step's schedule and hyperparameter values (each
+/// layer's, with its overrides); the caller appends configuration_text().
+template <class Reg, class DueList>
+std::string settings_text(const std::string& distribution, const Reg& reg, long step, const StepValues& v,
+                          const DueList& due) {
+  std::string t;  // the registration first: what differs there is named before its consequences
+  put_setting(t, "distribution", distribution);
+  for (const auto& e : reg.entries())
+    put_setting(t, e.block->name() + ".method", e.block->signature() + (e.skipped ? " (skipped)" : ""));
+  put_setting(t, "step", std::to_string(step));
+  t += values_text("", v);
+  for (std::size_t l = 0; l < reg.size(); ++l) {
+    const std::string layer = reg[l].block->name() + ".";
+    put_setting(t, layer + "updates", std::string(due[l].factor ? "statistics" : "") +
+                                          (due[l].inv ? " decomposition" : "") + (due[l].defer ? " deferred" : ""));
+    t += values_text(layer, due[l].values);
+  }
+  return t;
+}
+
 }  // namespace impl
 }  // namespace kfac

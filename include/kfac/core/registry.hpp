@@ -4,6 +4,7 @@
 /// gradient handed to the current step.
 
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,6 +13,7 @@
 #include "kfac/core/block.hpp"
 #include "kfac/error.hpp"
 #include "kfac/core/method_settings.hpp"
+#include "kfac/core/options.hpp"
 
 namespace kfac {
 namespace impl {
@@ -95,6 +97,29 @@ class Registry {
   std::vector<entry_type> entries_;
   std::map<std::string, std::size_t> index_;
 };
+
+/// Every Options::skip_layers entry names a registered layer or a kind of layer (one of
+/// `kinds`, which may match none: "batch_norm" for a network without one, or a registered
+/// layer's own kind); a misspelt name would otherwise leave its layer preconditioned silently.
+template <class Reg>
+void check_skip_layers(const Options& o, const Reg& reg, std::initializer_list<const char*> kinds) {
+  std::string listed;
+  for (const char* k : kinds) listed += (listed.empty() ? "" : ", ") + std::string(k);
+  for (const auto& s : o.skip_layers) {
+    bool found = false;
+    for (const char* k : kinds) found = found || s == k;
+    for (const auto& e : reg.entries()) found = found || s == e.block->name() || s == e.block->kind();
+    if (!found)
+      throw Error("", "Options::skip_layers entry '" + s + "' matches no registered layer name or kind of layer (" +
+                          listed + ", or a registered layer's own kind)");
+  }
+}
+/// Whether Options::skip_layers lists the layer `name` or its `kind`.
+inline bool skip_listed(const Options& o, const std::string& name, const char* kind) {
+  for (const auto& s : o.skip_layers)
+    if (s == name || s == kind) return true;
+  return false;
+}
 
 }  // namespace impl
 }  // namespace kfac

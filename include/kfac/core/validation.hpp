@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -207,6 +209,21 @@ bool nonfinite_step(const Registry& reg, const DueList& due, const Exec& exec, d
     if (pending.overflow || !(pending.scale <= payload_max)) return true;
   }
   return false;
+}
+
+/// Runs `f`, which may allocate the layer's memory: a failed allocation (Kokkos throws
+/// std::bad_alloc in 3.4, std::runtime_error in 4.x) becomes a kfac::Error naming the layer.
+template <class F>
+void allocating(const std::string& name, const char* call, F&& f) {
+  try {
+    f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::bad_alloc& e) {
+    throw Error(name, std::string(call) + ": cannot allocate the layer's memory (" + e.what() + ")");
+  } catch (const std::runtime_error& e) {
+    throw Error(name, std::string(call) + ": cannot allocate the layer's memory (" + e.what() + ")");
+  }
 }
 
 }  // namespace impl
