@@ -15,6 +15,7 @@
 #include "kfac/checkpoint/serializer.hpp"
 #include "kfac/core/agreement.hpp"
 #include "kfac/core/any_layer.hpp"
+#include "kfac/core/distribution_contract.hpp"
 #include "kfac/core/registry.hpp"
 #include "kfac/core/step_phases.hpp"
 #include "kfac/core/traits.hpp"
@@ -337,6 +338,7 @@ class Preconditioner {
 
  private:
   using dist_type = typename Distribution::template State<Exec, Comm>;
+  static_assert(impl::DistributionContract<dist_type, Exec>::ok);  // each member checked by name
 
   Preconditioner(Options options, Exec exec, Comm comm, Distribution policy, int /*delegated*/)
       : options_(std::move(options)), exec_(std::move(exec)), policy_(std::move(policy)),

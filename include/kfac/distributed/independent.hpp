@@ -12,7 +12,7 @@
 #include "kfac/core/block.hpp"
 #include "kfac/core/in_flight.hpp"
 #include "kfac/core/options.hpp"
-#include "kfac/distributed/work_assignment.hpp"
+#include "kfac/distributed/parts.hpp"
 
 namespace kfac {
 
@@ -24,53 +24,18 @@ struct Independent {
   static Independent from_options(const Options&) { return {}; }
   static std::vector<std::string> set_in(const Options&) { return {}; }
 
+  /// Every part one rank's: this rank alone agrees, holds and decomposes everything, averages
+  /// and shares nothing (Options::overlap_communication and split_preconditioning do nothing).
   template <class Exec, class Comm>
-  class State {
+  class State : public impl::LocalAgreement<Comm>,
+                public impl::LocalPlacement,
+                public impl::NoFactorAveraging<Exec, impl::request_of_t<Comm>>,
+                public impl::NoDecompositionSharing<impl::request_of_t<Comm>>,
+                public impl::NoGradientSharing<impl::request_of_t<Comm>> {
    public:
     using request_type = impl::request_of_t<Comm>;
-    State(const Independent&, Comm comm) : comm_(std::move(comm)) {}
-    const Comm& comm() const { return comm_; }
+    State(const Independent&, Comm comm) : impl::LocalAgreement<Comm>(std::move(comm)) {}
     std::string signature(const Options&) const { return "independent;"; }
-    bool check_same(const std::string&) const { return true; }
-    void plan(const Options& o, const std::vector<std::vector<impl::UnitCost>>& costs) {
-      std::vector<std::vector<double>> c(costs.size());
-      for (std::size_t l = 0; l < costs.size(); ++l) c[l].assign(costs[l].size(), 0.0);
-      assignment_ = WorkAssignment(1, 1.0, c, o.colocate_factors);
-    }
-    /// A one-rank assignment: everything on this rank.
-    const WorkAssignment& assignment() const { return assignment_; }
-    bool holds(std::size_t) const { return true; }
-    bool computes(std::size_t, int) const { return true; }
-    long agree_max(long v) const { return v; }
-    void agree_max(long*, int) const {}
-    std::string share_message(const std::string& s, int) const { return s; }
-    /// Ranks decide alone: the agreement at the top of a step involves only this rank.
-    int agreement_size() const { return 1; }
-    bool sends_increments(const Options&, std::size_t) const { return false; }
-    double payload_max(const Options&) const { return HUGE_VAL; }
-    void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
-    /// Nothing travels, so nothing overlaps (Options::overlap_communication does nothing).
-    std::vector<request_type> start_average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {
-      return {};
-    }
-    void finish_average(const Exec&) {}
-    bool overlaps() const { return false; }
-    int factor_owner(const Options&, std::size_t, int) const { return -1; }
-    void share_factors(const Exec&, const std::vector<impl::FactorBuffer>&) const {}
-    std::vector<request_type> share_unit(std::size_t, int, const std::vector<impl::Buffer>&) { return {}; }
-    bool shares_in_background(const Options&) const { return false; }
-    impl::BackgroundSharer background_sharer(std::size_t) { return {}; }
-    void count_background(std::pair<std::size_t, std::size_t>) {}
-    request_type share_gradient(std::size_t, const impl::Buffer&) { return {}; }
-    bool shares_gradients() const { return false; }
-    /// No rank shares a layer's preconditioning (Options::split_preconditioning does nothing).
-    int split_parts(const Options&, std::size_t) const { return 1; }
-    int split_part(std::size_t) const { return 0; }
-    request_type gather_rows(std::size_t, const impl::Buffer&, index_t) { return {}; }
-
-   private:
-    Comm comm_;
-    WorkAssignment assignment_;
   };
 };
 
