@@ -20,10 +20,6 @@ struct Independent {
   using distribution_tag = void;
   static constexpr const char* name = "independent";
 
-  /// No settings: Options' distribution fields are not read.
-  static Independent from_options(const Options&) { return {}; }
-  static std::vector<std::string> set_in(const Options&) { return {}; }
-
   template <class Exec, class Comm>
   class State {
    public:
@@ -32,10 +28,10 @@ struct Independent {
     const Comm& comm() const { return comm_; }
     std::string signature(const Options&) const { return "independent;"; }
     bool check_same(const std::string&) const { return true; }
-    void plan(const Options& o, const std::vector<std::vector<impl::UnitCost>>& costs) {
+    void plan(const Options&, const std::vector<std::vector<impl::UnitCost>>& costs) {
       std::vector<std::vector<double>> c(costs.size());
       for (std::size_t l = 0; l < costs.size(); ++l) c[l].assign(costs[l].size(), 0.0);
-      assignment_ = WorkAssignment(1, 1.0, c, o.colocate_factors);
+      assignment_ = WorkAssignment(1, 1.0, c, true);
     }
     /// A one-rank assignment: everything on this rank.
     const WorkAssignment& assignment() const { return assignment_; }
@@ -49,7 +45,7 @@ struct Independent {
     bool sends_increments(const Options&, std::size_t) const { return false; }
     double payload_max(const Options&) const { return HUGE_VAL; }
     void average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {}
-    /// Nothing travels, so nothing overlaps (Options::overlap_communication does nothing).
+    /// Nothing travels, so nothing overlaps (Kaisa::overlap_communication does nothing).
     std::vector<request_type> start_average(const Exec&, const std::vector<impl::FactorBuffer>&, const Options&) {
       return {};
     }
@@ -63,7 +59,7 @@ struct Independent {
     void count_background(std::pair<std::size_t, std::size_t>) {}
     request_type share_gradient(std::size_t, const impl::Buffer&) { return {}; }
     bool shares_gradients() const { return false; }
-    /// No rank shares a layer's preconditioning (Options::split_preconditioning does nothing).
+    /// No rank shares a layer's preconditioning (Kaisa::split_preconditioning does nothing).
     int split_parts(const Options&, std::size_t) const { return 1; }
     int split_part(std::size_t) const { return 0; }
     request_type gather_rows(std::size_t, const impl::Buffer&, index_t) { return {}; }
