@@ -1,7 +1,7 @@
 // Catch2's main for MPI tests: MPI and Kokkos live for the whole run; only rank 0 reports
 // successes, every rank reports failures, and the exit code is the worst over ranks.
 // MPI_THREAD_MULTIPLE is asked for, so that kfac shares deferred decompositions from their
-// background threads (Options::background_sharing); KFAC_TEST_MPI_THREADS=single asks for
+// background threads (Kaisa::background_sharing); KFAC_TEST_MPI_THREADS=single asks for
 // MPI_THREAD_SINGLE instead, the fallback path.
 #define CATCH_CONFIG_RUNNER
 #include <mpi.h>

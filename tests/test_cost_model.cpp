@@ -105,14 +105,14 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[cost_model
   }
   SECTION("reduced-precision payloads") {
     const kfac::CostModel m(small_net());
-    CHECK(m.predict(2, kfac::Options{}.with_comm_precision(kfac::CommPrecision::float32)).ranks[0].factor_bytes_sent ==
+    CHECK(m.predict(2, kfac::Kaisa{}.with_comm_precision(kfac::CommPrecision::float32)).ranks[0].factor_bytes_sent ==
           packed / 2);
-    CHECK(m.predict(2, kfac::Options{}.with_comm_precision(kfac::CommPrecision::bfloat16)).ranks[0].factor_bytes_sent ==
+    CHECK(m.predict(2, kfac::Kaisa{}.with_comm_precision(kfac::CommPrecision::bfloat16)).ranks[0].factor_bytes_sent ==
           packed / 4);
     // float factors already travel as float
     std::vector<kfac::LayerShape> f{kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>,
                                                          kfac::SinglePrecision>("fc", kfac::Dense(5, 4))};
-    CHECK(kfac::CostModel(f).predict(2, kfac::Options{}.with_comm_precision(kfac::CommPrecision::float32))
+    CHECK(kfac::CostModel(f).predict(2, kfac::Kaisa{}.with_comm_precision(kfac::CommPrecision::float32))
               .ranks[0].factor_bytes_sent == 2 * 4 * (tri(6) + tri(4)));
   }
   SECTION("reduce-to-owner: one reduce contribution per decomposed factor") {
@@ -120,12 +120,13 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[cost_model
     const std::size_t owner = 8 * (tri(6) + tri(4) + tri(5) + tri(3) + tri(19) + tri(3)) + 2 * 8 * 9;
     for (int world : {2, 3, 4})
       for (double f : {1.0, 1.0 / world}) {
-        const auto p = kfac::CostModel(small_net()).predict(world, kfac::Options{}.with_grad_worker_fraction(f).with_reduce_to_owner(true));
+        const auto p = kfac::CostModel(small_net())
+                           .predict(world, kfac::Kaisa{}.with_grad_worker_fraction(f).with_reduce_to_owner(true));
         for (int r = 0; r < world; ++r) CHECK(p.ranks[std::size_t(r)].factor_bytes_sent == owner);
       }
     // Buckets per owner (world 2, COMM-OPT, colocated): the closed form alone, then one bucket
     // per owner of the Kronecker factors.
-    const auto p = kfac::CostModel(small_net()).predict(2, kfac::Options{}.with_reduce_to_owner(true));
+    const auto p = kfac::CostModel(small_net()).predict(2, kfac::Kaisa{}.with_reduce_to_owner(true));
     CHECK(p.factor_collectives == 3);
     // The issue-16 MLP at 4 ranks: factor bytes 0.5x those of the allreduce.
     std::vector<kfac::LayerShape> mlp{kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>("fc1", kfac::Dense(784, 256)),
@@ -133,13 +134,14 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[cost_model
                                       kfac::LayerShape::of<kfac::Dense, kfac::Symmetric, kfac::Cholesky<>, kfac::SinglePrecision>("fc3", kfac::Dense(256, 10))};
     for (double f : {1.0, 0.5, 0.25}) {
       const auto all = kfac::CostModel(mlp).predict(4, f);
-      const auto own = kfac::CostModel(mlp).predict(4, kfac::Options{}.with_grad_worker_fraction(f).with_reduce_to_owner(true));
+      const auto own =
+          kfac::CostModel(mlp).predict(4, kfac::Kaisa{}.with_grad_worker_fraction(f).with_reduce_to_owner(true));
       CHECK(2 * own.ranks[0].factor_bytes_sent == all.ranks[0].factor_bytes_sent);
     }
   }
   SECTION("buckets") {
     // Payloads 21, 10, 15, 6, 190, 6, 9 values in buckets of 32: [21 10] [15 6] [190] [6 9].
-    const auto p = kfac::CostModel(small_net()).predict(2, kfac::Options{}.with_bucket_bytes(256));
+    const auto p = kfac::CostModel(small_net()).predict(2, kfac::Kaisa{}.with_bucket_bytes(256));
     CHECK(p.factor_collectives == 4);
     CHECK(p.ranks[1].staging_bytes == 190 * 8);
     CHECK(p.ranks[1].factor_bytes_sent == packed);
@@ -191,8 +193,8 @@ TEST_CASE("decomposition and gradient bytes follow the strategy", "[cost_model][
     CHECK(sum_ranks(kfac::CostModel(v).predict(2, 1.0), dec) == 8 * (36 + 16));
   }
   SECTION("skipped and closed-form layers communicate no decompositions or gradients") {
-    auto opts = kfac::Options{}.with_grad_worker_fraction(0.5).with_skip_layers({"fc2", "conv2d"});
-    const auto p = m.predict(2, opts);
+    auto opts = kfac::Options{}.with_skip_layers({"fc2", "conv2d"});
+    const auto p = m.predict(2, opts, kfac::Kaisa{}.with_grad_worker_fraction(0.5));
     CHECK(sum_ranks(p, grad) == 8 * 4 * 6);
     CHECK(p.ranks[0].factor_bytes_sent == 2 * 8 * (tri(6) + tri(4) + 9));
   }
@@ -207,7 +209,7 @@ TEST_CASE("the assignment is the library's WorkAssignment", "[cost_model][assign
       for (bool colocate : {true, false}) {
         const kfac::WorkAssignment w(world, f, costs, colocate);
         const auto p = kfac::CostModel(net).predict(
-            world, kfac::Options{}.with_grad_worker_fraction(f).with_colocate_factors(colocate));
+            world, kfac::Kaisa{}.with_grad_worker_fraction(f).with_colocate_factors(colocate));
         for (std::size_t l = 0; l < net.size(); ++l)
           for (int which = 0; which < 2; ++which) CHECK(p.assignment.decomposer(l, which) == w.decomposer(l, which));
         for (int r = 0; r < world; ++r)
@@ -247,7 +249,7 @@ TEST_CASE("times follow the library's schedule", "[cost_model][time]") {
   }
   SECTION("COMM-OPT, 2 ranks, A and G apart: the larger factor first, on the least-loaded rank") {
     // fc2: A (1025) -> 0, G (1024) -> 1; fc1: G (1024) -> 1, A (785) -> 0; fc3: A -> 0, G -> 1
-    const auto p = m.predict(2, kfac::Options{}.with_colocate_factors(false));
+    const auto p = m.predict(2, kfac::Kaisa{}.with_colocate_factors(false));
     CHECK(p.ranks[0].decomposition_seconds == Approx(c * (2 * cube(1025) + cube(785))));
     CHECK(p.decomposition_phase_seconds == Approx(c * (2 * cube(1025) + cube(785))));
   }
@@ -534,9 +536,10 @@ TEST_CASE("gradient passes: every rank loads, clips and writes back every layer'
   const kfac::CostModel m(net, figures);
   for (int world : {1, 2, 4})
     for (double f : {1.0, 1.0 / world}) {
-      CHECK(m.predict(world, kfac::Options{}.with_grad_worker_fraction(f)).gradient_pass_seconds ==
+      CHECK(m.predict(world, f).gradient_pass_seconds ==
             Approx(6 * values * 8 / bw));
-      CHECK(m.predict(world, kfac::Options{}.with_grad_worker_fraction(f).with_kl_clip(0.0)).gradient_pass_seconds ==
+      CHECK(m.predict(world, kfac::Options{}.with_kl_clip(0.0), kfac::Kaisa{}.with_grad_worker_fraction(f))
+                .gradient_pass_seconds ==
             Approx(4 * values * 8 / bw));
     }
   const auto p = m.predict(2, kfac::Options{}.with_skip_layers({"fc2"}));

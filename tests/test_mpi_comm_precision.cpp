@@ -51,18 +51,19 @@ double rel_max(const M& a, const M& b) {
   return d / s;
 }
 
-kfac::Options drift_options(kfac::CommPrecision p) {
+kfac::Options drift_options() {
   return kfac::Options{}.with_factor_decay(kDecay).with_inv_update_steps(1000).with_damping(1e-2)
-      .with_kl_clip(0.0).with_loss_reduction(kfac::LossReduction::sum).with_comm_precision(p);
+      .with_kl_clip(0.0).with_loss_reduction(kfac::LossReduction::sum);
 }
+kfac::Kaisa sums_in(kfac::CommPrecision p) { return kfac::Kaisa{}.with_comm_precision(p); }
 
 }  // namespace
 
 TEST_CASE("reduced-precision factor averaging tracks native averaging over 320 drifting updates", "[mpi][precision]") {
   const int rank = rank_in(), world = size_of();
-  Pre native(drift_options(kfac::CommPrecision::native), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
-  Pre bf16(drift_options(kfac::CommPrecision::bfloat16), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
-  Pre f32(drift_options(kfac::CommPrecision::float32), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+  Pre native(drift_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD), sums_in(kfac::CommPrecision::native));
+  Pre bf16(drift_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD), sums_in(kfac::CommPrecision::bfloat16));
+  Pre f32(drift_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD), sums_in(kfac::CommPrecision::float32));
   for (Pre* p : {&native, &bf16, &f32}) p->register_layer("fc", kfac::Dense(kIn, kOut), kfac::KFAC<>{});
 
   // The scheme before the fix, emulated: each rank updates its running A in double, then the
@@ -153,8 +154,8 @@ TEST_CASE("half-precision factors average across ranks: bit-identical, tracking 
   const long updates = 200;
   for (auto payload : {kfac::CommPrecision::native, kfac::CommPrecision::bfloat16}) {
     INFO("payload " << int(payload));
-    Pre half(drift_options(payload), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
-    Pre single(drift_options(payload), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+    Pre half(drift_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD), sums_in(payload));
+    Pre single(drift_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD), sums_in(payload));
     half.register_layer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::HalfPrecision>("fc", kfac::Dense(kIn, kOut));
     single.register_layer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>, kfac::SinglePrecision>("fc", kfac::Dense(kIn, kOut));
     const int n = kIn + 1;
@@ -271,9 +272,10 @@ TEST_CASE("tiny MPI messages: sums and broadcasts in pieces, same bits and bytes
   // 4 broadcasts -> 5 pieces.
   for (double f : {1.0, 1.0 / size_of()}) {
     INFO("grad_worker_fraction " << f);
-    const auto o = kfac::Options{}.with_inv_update_steps(3).with_damping(1e-2).with_grad_worker_fraction(f);
-    Pre small(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD).with_max_message_bytes(64));
-    Pre dflt(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+    const auto o = kfac::Options{}.with_inv_update_steps(3).with_damping(1e-2);
+    const auto k = kfac::Kaisa{}.with_grad_worker_fraction(f);
+    Pre small(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD).with_max_message_bytes(64), k);
+    Pre dflt(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD), k);
     for (Pre* p : {&small, &dflt}) p->register_layer("fc", kfac::Dense(3, 2, false), kfac::KFAC<>{});
     std::vector<std::size_t> ms, md;
     const auto rs = run_small(small, 7, ms), rd = run_small(dflt, 7, md);

@@ -126,11 +126,11 @@ std::string saved(const P& pre) {
   return os.str();
 }
 
-kfac::Options mpi_options(double fraction) {
+kfac::Options mpi_options() {
   return kfac::Options{}.with_damping(1e-2).with_kl_clip(1e-3).with_factor_decay(0.9)
-      .with_inv_update_steps(2).with_grad_worker_fraction(fraction)
-      .with_loss_reduction(kfac::LossReduction::sum);
+      .with_inv_update_steps(2).with_loss_reduction(kfac::LossReduction::sum);
 }
+kfac::Kaisa kaisa(double fraction) { return kfac::Kaisa{}.with_grad_worker_fraction(fraction); }
 
 std::vector<double> fractions() {
   const int w = world_size();
@@ -152,12 +152,12 @@ TEST_CASE("preconditioners sharing one MpiComm equal ones with their own, and ou
   const int rank = world_rank();
   for (double f : fractions()) {
     INFO("grad_worker_fraction " << f << " at " << world_size() << " ranks");
-    const kfac::Options o = mpi_options(f);
+    const kfac::Options o = mpi_options();
     kfac::MpiComm comm(MPI_COMM_WORLD);
     std::vector<std::unique_ptr<MPre>> shared, own;
     for (std::size_t p = 0; p < kNets.size(); ++p) {
-      shared.push_back(std::make_unique<MPre>(o, Host{}, comm));
-      own.push_back(std::make_unique<MPre>(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD)));
+      shared.push_back(std::make_unique<MPre>(o, Host{}, comm, kaisa(f)));
+      own.push_back(std::make_unique<MPre>(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa(f)));
       register_specs(*shared[p], kNets[p]);
       register_specs(*own[p], kNets[p]);
     }
@@ -168,8 +168,8 @@ TEST_CASE("preconditioners sharing one MpiComm equal ones with their own, and ou
         own[1].reset();
       }
       if (s == 16) {  // and a preconditioner made late on the same comm
-        shared[1] = std::make_unique<MPre>(o, Host{}, comm);
-        own[1] = std::make_unique<MPre>(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+        shared[1] = std::make_unique<MPre>(o, Host{}, comm, kaisa(f));
+        own[1] = std::make_unique<MPre>(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa(f));
         register_specs(*shared[1], kNets[1]);
         register_specs(*own[1], kNets[1]);
       }
@@ -193,7 +193,7 @@ TEST_CASE("the toy method's statistic is averaged over the ranks and its counter
   const int micro = std::vector<int>{1, 2, 3, 6}[std::size_t(rank % 4)];
   for (double f : fractions()) {
     INFO("grad_worker_fraction " << f);
-    MPre pre(mpi_options(f).with_kl_clip(0.0), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+    MPre pre(mpi_options().with_kl_clip(0.0), Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa(f));
     register_specs(pre, net);
     const long steps = 6;
     // The statistic of a single process on the concatenated data of all ranks.
@@ -227,7 +227,7 @@ TEST_CASE("the toy method's statistic is averaged over the ranks and its counter
       CHECK(same_on_all_ranks(got));
     }
     // The counter differs per rank: it is in the checkpoint, which resumes it unaveraged.
-    MPre resumed(mpi_options(f).with_kl_clip(0.0), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+    MPre resumed(mpi_options().with_kl_clip(0.0), Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa(f));
     register_specs(resumed, net);
     std::stringstream ckpt;
     pre.save(ckpt);
@@ -243,8 +243,9 @@ TEST_CASE("a decomposition failure on one rank is atomic on every rank", "[mpi][
   for (double f : fractions())
     for (ToyFailure how : {ToyFailure::error, ToyFailure::bad_alloc}) {
       INFO("grad_worker_fraction " << f << ", failure " << int(how));
-      const auto o = mpi_options(f).with_inv_update_steps(1);
-      MPre pre(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD)), twin(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+      const auto o = mpi_options().with_inv_update_steps(1);
+      MPre pre(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa(f));
+      MPre twin(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa(f));
       register_specs(pre, net);
       register_specs(twin, net);
       for (long s = 0; s < 3; ++s) {
@@ -298,7 +299,7 @@ TEST_CASE("Independent: each rank is a SerialComm run on its own data and layers
   std::vector<Spec> net = {{"fc", 3 + rank, 2, false}};
   if (rank % 2 == 1) net.push_back({"toy", 4, 3, true});
   net.push_back({"last", 2, 2 + rank % 3, false});
-  const auto o = mpi_options(1.0).with_inv_update_steps(3);
+  const auto o = mpi_options().with_inv_update_steps(3);
   IPre pre(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD));
   SPre ref(o);
   REQUIRE_NOTHROW(register_specs(pre, net));

@@ -18,15 +18,20 @@ namespace {
 int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
 int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
 
+kfac::Options options() {
+  return kfac::Options{}.with_loss_reduction(kfac::LossReduction::sum).with_damping(1e-2).with_inv_update_steps(2);
+}
+kfac::Kaisa kaisa(double fraction) { return kfac::Kaisa{}.with_grad_worker_fraction(fraction).with_bucket_bytes(256); }
+
 /// `max_message`: MpiComm's largest message (0: its default).
-void check(const kfac::Options& opts, std::size_t max_message = 0) {
+void check(const kfac::Kaisa& k, std::size_t max_message = 0, const kfac::Options& opts = options()) {
   const int rank = world_rank(), size = world_size();
   using Pre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
   kfac::MpiComm comm(MPI_COMM_WORLD);
   if (max_message > 0) comm.with_max_message_bytes(max_message);
-  Pre pre(opts, Host(), comm);
+  Pre pre(opts, Host(), comm, k);
   register_cost_model_net(pre);
-  const auto p = kfac::CostModel(cost_model_net_shapes()).predict(size, opts);
+  const auto p = kfac::CostModel(cost_model_net_shapes()).predict(size, opts, k);
   const auto& me = p.ranks[std::size_t(rank)];
 
   // inv_update_steps 2: step 0 and 2 decompose; every step updates factors.
@@ -39,7 +44,7 @@ void check(const kfac::Options& opts, std::size_t max_message = 0) {
     pre.step();
     bytes[s] = comm.bytes_sent();
   }
-  INFO("rank " << rank << " of " << size << ", f = " << opts.grad_worker_fraction);
+  INFO("rank " << rank << " of " << size << ", f = " << k.grad_worker_fraction);
   CHECK(bytes[1] == me.factor_bytes_sent + me.gradient_bytes_sent);
   CHECK(bytes[2] - bytes[1] == me.decomposition_bytes_sent);
   CHECK(bytes[0] == bytes[2]);
@@ -57,46 +62,39 @@ void check(const kfac::Options& opts, std::size_t max_message = 0) {
   }
 }
 
-kfac::Options options(double fraction) {
-  return kfac::Options{}
-      .with_loss_reduction(kfac::LossReduction::sum)
-      .with_damping(1e-2)
-      .with_inv_update_steps(2)
-      .with_grad_worker_fraction(fraction)
-      .with_bucket_bytes(256);
-}
-
 }  // namespace
 
 TEST_CASE("cost model bytes, memory and assignment equal a distributed run", "[mpi][cost_model]") {
   const int size = world_size();
-  SECTION("COMM-OPT") { check(options(1.0)); }
+  SECTION("COMM-OPT") { check(kaisa(1.0)); }
   SECTION("COMM-OPT, A and G apart, precomputed reciprocal") {
-    check(options(1.0).with_colocate_factors(false).with_precompute_reciprocal(true));
+    check(kaisa(1.0).with_colocate_factors(false), 0, options().with_precompute_reciprocal(true));
   }
-  SECTION("MEM-OPT") { check(options(1.0 / size)); }
+  SECTION("MEM-OPT") { check(kaisa(1.0 / size)); }
   SECTION("reduce-to-owner: MEM-OPT, COMM-OPT with A and G apart, float32 payloads") {
-    check(options(1.0 / size).with_reduce_to_owner(true));
-    check(options(1.0).with_reduce_to_owner(true).with_colocate_factors(false));
-    check(options(1.0).with_reduce_to_owner(true).with_comm_precision(kfac::CommPrecision::float32));
+    check(kaisa(1.0 / size).with_reduce_to_owner(true));
+    check(kaisa(1.0).with_reduce_to_owner(true).with_colocate_factors(false));
+    check(kaisa(1.0).with_reduce_to_owner(true).with_comm_precision(kfac::CommPrecision::float32));
   }
   SECTION("MEM-OPT, memory-balanced placement, bfloat16 payloads") {
-    check(options(1.0 / size).with_assignment_cost(kfac::AssignmentCost::memory).with_comm_precision(kfac::CommPrecision::bfloat16));
+    check(kaisa(1.0 / size).with_assignment_cost(kfac::AssignmentCost::memory)
+              .with_comm_precision(kfac::CommPrecision::bfloat16));
   }
   SECTION("float32 payloads, skipped layers") {
-    check(options(1.0 / size).with_comm_precision(kfac::CommPrecision::float32).with_skip_layers({"fc2", "batch_norm"}));
+    check(kaisa(1.0 / size).with_comm_precision(kfac::CommPrecision::float32), 0,
+          options().with_skip_layers({"fc2", "batch_norm"}));
   }
   SECTION("split preconditioning: COMM-OPT, MEM-OPT, COMM-OPT with reduce-to-owner and 16-byte messages") {
-    check(options(1.0).with_split_preconditioning(true));
-    check(options(1.0 / size).with_split_preconditioning(true));
-    check(options(1.0).with_split_preconditioning(true).with_reduce_to_owner(true), 16);
+    check(kaisa(1.0).with_split_preconditioning(true));
+    check(kaisa(1.0 / size).with_split_preconditioning(true));
+    check(kaisa(1.0).with_split_preconditioning(true).with_reduce_to_owner(true), 16);
   }
   if (size % 2 == 0 && size > 2) {
-    SECTION("HYBRID 0.5, split preconditioning") { check(options(0.5).with_split_preconditioning(true)); }
-    SECTION("HYBRID 0.5") { check(options(0.5)); }
-    SECTION("HYBRID 0.5, reduce-to-owner") { check(options(0.5).with_reduce_to_owner(true)); }
+    SECTION("HYBRID 0.5, split preconditioning") { check(kaisa(0.5).with_split_preconditioning(true)); }
+    SECTION("HYBRID 0.5") { check(kaisa(0.5)); }
+    SECTION("HYBRID 0.5, reduce-to-owner") { check(kaisa(0.5).with_reduce_to_owner(true)); }
     SECTION("HYBRID 0.5, worker groups of consecutive ranks") {
-      check(options(0.5).with_group_layout(kfac::GroupLayout::contiguous_workers).with_colocate_factors(false));
+      check(kaisa(0.5).with_group_layout(kfac::GroupLayout::contiguous_workers).with_colocate_factors(false));
     }
   }
 }

@@ -111,17 +111,17 @@ std::vector<double> run(P& pre, int rank, int ranks, int steps, int first = 0) {
   return out;
 }
 
-kfac::Options options(double fraction) {
+kfac::Options options() {
   return kfac::Options{}
       .with_loss_reduction(kfac::LossReduction::sum)
       .with_damping(1e-2)
       .with_kl_clip(1e-2)
       .with_lr(0.5)
       .with_factor_update_steps(1)
-      .with_inv_update_steps(2)
-      .with_grad_worker_fraction(fraction)
-      .with_bucket_bytes(256);  // small buckets: several collectives per update
+      .with_inv_update_steps(2);
 }
+/// KAISA at gradient-worker fraction `fraction`, with small buckets: several collectives per update.
+kfac::Kaisa kaisa(double fraction) { return kfac::Kaisa{}.with_grad_worker_fraction(fraction).with_bucket_bytes(256); }
 
 /// The upper triangles of the Kronecker factors (A, then G) of fc1, fc2 and conv.
 template <class P>
@@ -159,13 +159,13 @@ template <class Factor, class Inverse = kfac::Eigendecomposition<>>
 void check_strategy(double fraction, bool to_owner = false, bool colocate = true, long delay = 0) {
   const int rank = world_rank(), size = world_size();
   const int steps = delay > 0 ? 9 : 5;
-  kfac::Preconditioner<double, Host> single(options(1.0).with_decomposition_delay(delay));
+  kfac::Preconditioner<double, Host> single(options().with_decomposition_delay(delay));
   register_all<Factor, Inverse>(single);
   const auto expect = run(single, 0, 1, steps);
 
   kfac::Preconditioner<double, Host, kfac::MpiComm> dist(
-      options(fraction).with_reduce_to_owner(to_owner).with_colocate_factors(colocate).with_decomposition_delay(delay),
-      Host(), kfac::MpiComm(MPI_COMM_WORLD));
+      options().with_decomposition_delay(delay), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+      kaisa(fraction).with_reduce_to_owner(to_owner).with_colocate_factors(colocate));
   register_all<Factor, Inverse>(dist);
   const auto got = run(dist, rank, size, steps);
   REQUIRE(got.size() == expect.size());
@@ -174,15 +174,16 @@ void check_strategy(double fraction, bool to_owner = false, bool colocate = true
   CHECK(identical_on_all_ranks(got));
 }
 
-/// Options::split_preconditioning: the same comparison, and the divided applies really run:
+/// Kaisa::split_preconditioning: the same comparison, and the divided applies really run:
 /// where a layer has more than one gradient worker, its all-gathers add to the bytes a rank sends
 /// (the same run without the option is the baseline), and nowhere else. `small_messages`: MPI
 /// calls of at most 16 bytes, so the all-gathers go as broadcasts in pieces.
 template <class Factor, class Inverse = kfac::Eigendecomposition<>>
 void check_split(double fraction, bool to_owner = false, bool reciprocal = false, bool small_messages = false) {
   const int rank = world_rank(), size = world_size();
-  const auto opts = [&](double f) { return options(f).with_reduce_to_owner(to_owner).with_precompute_reciprocal(reciprocal); };
-  kfac::Preconditioner<double, Host> single(opts(1.0));
+  const auto opts = options().with_precompute_reciprocal(reciprocal);
+  const auto k = kaisa(fraction).with_reduce_to_owner(to_owner);
+  kfac::Preconditioner<double, Host> single(opts);
   register_all<Factor, Inverse>(single);
   const auto expect = run(single, 0, 1, 5);
 
@@ -191,8 +192,9 @@ void check_split(double fraction, bool to_owner = false, bool reciprocal = false
     plain_comm.with_max_message_bytes(16);
     split_comm.with_max_message_bytes(16);
   }
-  kfac::Preconditioner<double, Host, kfac::MpiComm> plain(opts(fraction), Host(), plain_comm);
-  kfac::Preconditioner<double, Host, kfac::MpiComm> split(opts(fraction).with_split_preconditioning(true), Host(), split_comm);
+  kfac::Preconditioner<double, Host, kfac::MpiComm> plain(opts, Host(), plain_comm, k);
+  kfac::Preconditioner<double, Host, kfac::MpiComm> split(opts, Host(), split_comm,
+                                                          kfac::Kaisa(k).with_split_preconditioning(true));
   register_all<Factor, Inverse>(plain);
   register_all<Factor, Inverse>(split);
   run(plain, rank, size, 5);
@@ -305,11 +307,11 @@ TEST_CASE("distributed Embedding equals the single-process result", "[mpi][distr
   const int rank = world_rank(), size = world_size();
   for (const double fraction : {1.0, 1.0 / size})
     for (const bool to_owner : {false, true}) {
-      kfac::Preconditioner<double, Host> single(options(1.0));
+      kfac::Preconditioner<double, Host> single(options());
       register_embeddings(single);
       const auto expect = run_embeddings(single, 0, 1, 5);
-      kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(fraction).with_reduce_to_owner(to_owner), Host(),
-                                                             kfac::MpiComm(MPI_COMM_WORLD));
+      kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                                             kaisa(fraction).with_reduce_to_owner(to_owner));
       register_embeddings(dist);
       const auto got = run_embeddings(dist, rank, size, 5);
       REQUIRE(got.size() == expect.size());
@@ -365,15 +367,15 @@ std::vector<double> run_parameters(P& pre, int rank, int ranks, int steps) {
 TEST_CASE("distributed diagonal Fisher (Parameter) equals the single-process result",
           "[mpi][distributed][generic_diagonal]") {
   const int rank = world_rank(), size = world_size();
-  kfac::Preconditioner<double, Host> single(options(1.0));
+  kfac::Preconditioner<double, Host> single(options());
   register_parameters(single);
   const auto expect = run_parameters(single, 0, 1, 5);
   std::vector<double> fractions{1.0, 1.0 / size};
   if (size == 4) fractions.push_back(0.5);  // HYBRID
   for (const double fraction : fractions)
     for (const bool to_owner : {false, true}) {
-      kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(fraction).with_reduce_to_owner(to_owner), Host(),
-                                                             kfac::MpiComm(MPI_COMM_WORLD));
+      kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                                             kaisa(fraction).with_reduce_to_owner(to_owner));
       register_parameters(dist);
       const auto got = run_parameters(dist, rank, size, 5);
       REQUIRE(got.size() == expect.size());
@@ -411,7 +413,7 @@ TEST_CASE("reduce-to-owner equals the single-process result", "[mpi][distributed
 }
 
 TEST_CASE("overlapped collectives give the bits, bytes and messages of blocking ones", "[mpi][distributed][overlap]") {
-  // Options::overlap_communication (the default) against the blocking collectives, over 24
+  // Kaisa::overlap_communication (the default) against the blocking collectives, over 24
   // steps (factors every step, decompositions every 3: two of three factor updates are summed
   // while the step preconditions), for each strategy with reduce-to-owner, split
   // preconditioning, reduced-precision payloads and 16-byte messages: every rank ends with
@@ -438,9 +440,9 @@ TEST_CASE("overlapped collectives give the bits, bytes and messages of blocking 
       kfac::MpiComm comm(MPI_COMM_WORLD);
       comm.with_max_message_bytes(c.max_message);
       kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
-          options(c.fraction).with_inv_update_steps(3).with_reduce_to_owner(c.owner).with_split_preconditioning(c.split)
-              .with_comm_precision(c.payload).with_overlap_communication(overlap == 1),
-          Host(), comm);
+          options().with_inv_update_steps(3), Host(), comm,
+          kaisa(c.fraction).with_reduce_to_owner(c.owner).with_split_preconditioning(c.split)
+              .with_comm_precision(c.payload).with_overlap_communication(overlap == 1));
       register_all<kfac::Symmetric>(pre);
       got[overlap] = run(pre, rank, size, 24);
       factors[overlap] = factors_of(pre);
@@ -471,7 +473,7 @@ TEST_CASE("overlapped collectives give the bits, bytes and messages of blocking 
     // 16 overlapped factor updates (steps not divisible by 3), at least one sum each.
     if (size > 1) CHECK(started[1] >= 16);
     if (c.payload == kfac::CommPrecision::native) {
-      kfac::Preconditioner<double, Host> single(options(1.0).with_inv_update_steps(3));
+      kfac::Preconditioner<double, Host> single(options().with_inv_update_steps(3));
       register_all<kfac::Symmetric>(single);
       CHECK(rel_diff(got[1], run(single, 0, 1, 24)) < 1e-10);
     }
@@ -484,7 +486,8 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes
   auto bytes_for = [&](auto factor_tag) {
     using Factor = decltype(factor_tag);
     kfac::MpiComm comm(MPI_COMM_WORLD);
-    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0).with_bucket_bytes(1 << 20), Host(), comm);
+    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(), Host(), comm,
+                                                          kaisa(1.0).with_bucket_bytes(1 << 20));
     register_all<Factor>(pre);
     run(pre, world_rank(), size, 1);  // step 0: factor update + decomposition
     comm.reset_bytes();
@@ -501,7 +504,7 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes
   // decomposed factor; BatchNorm's closed form is still summed to every rank.
   kfac::MpiComm comm(MPI_COMM_WORLD);
   kfac::Preconditioner<double, Host, kfac::MpiComm> pre(
-      options(1.0).with_bucket_bytes(1 << 20).with_reduce_to_owner(true), Host(), comm);
+      options(), Host(), comm, kaisa(1.0).with_bucket_bytes(1 << 20).with_reduce_to_owner(true));
   register_all<kfac::Symmetric>(pre);
   run(pre, world_rank(), size, 1);
   comm.reset_bytes();
@@ -513,10 +516,11 @@ TEST_CASE("bytes per factor update follow the packed/full formula", "[mpi][bytes
 
 TEST_CASE("MEM-OPT keeps one copy of each decomposition across ranks", "[mpi][memory]") {
   const int size = world_size();
-  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0 / size), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                                        kaisa(1.0 / size));
   register_all<kfac::Symmetric>(pre);
   run(pre, world_rank(), size, 1);
-  kfac::Preconditioner<double, Host> single(options(1.0));
+  kfac::Preconditioner<double, Host> single(options());
   register_all<kfac::Symmetric>(single);
   run(single, 0, 1, 1);
   auto total = [](const std::vector<kfac::MemoryReport>& r) { std::size_t t = 0; for (auto& m : r) t += m.decomposition_bytes; return t; };
@@ -527,12 +531,13 @@ TEST_CASE("MEM-OPT keeps one copy of each decomposition across ranks", "[mpi][me
 
 TEST_CASE("reduced-precision factor averaging stays within its documented tolerance", "[mpi][precision]") {
   const int rank = world_rank(), size = world_size();
-  kfac::Preconditioner<double, Host> single(options(1.0));
+  kfac::Preconditioner<double, Host> single(options());
   register_all<kfac::Symmetric>(single);
   const auto expect = run(single, 0, 1, 3);
   for (auto [p, tol] : {std::pair<kfac::CommPrecision, double>{kfac::CommPrecision::float32, 1e-5},
                         {kfac::CommPrecision::bfloat16, 5e-2}}) {
-    kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(1.0).with_comm_precision(p), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    kfac::Preconditioner<double, Host, kfac::MpiComm> dist(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                                           kaisa(1.0).with_comm_precision(p));
     register_all<kfac::Symmetric>(dist);
     const auto got = run(dist, rank, size, 3);
     INFO("payload " << int(p) << " relative difference " << rel_diff(got, expect));
@@ -544,7 +549,7 @@ TEST_CASE("reduced-precision factor averaging stays within its documented tolera
 TEST_CASE("mismatched registration raises the same error on every rank", "[mpi][errors]") {
   const int rank = world_rank(), size = world_size();
   if (size == 1) return;
-  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(1.0), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD), kaisa(1.0));
   pre.register_layer<kfac::Dense>("fc", kfac::Dense(5, rank == size - 1 ? 3 : 4));
   Rng rng(7);
   auto x = random_view<double>(kBatch, 5, rng);
@@ -566,8 +571,8 @@ TEST_CASE("ranks that disagree on reduce_to_owner or split_preconditioning raise
   const int rank = world_rank(), size = world_size();
   if (size == 1) return;
   const bool odd = rank == size - 1;
-  for (const auto& o : {options(1.0).with_reduce_to_owner(odd), options(1.0).with_split_preconditioning(odd)}) {
-    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(o, Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  for (const auto& k : {kaisa(1.0).with_reduce_to_owner(odd), kaisa(1.0).with_split_preconditioning(odd)}) {
+    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD), k);
     register_all<kfac::Symmetric>(pre);
     CHECK_THROWS_WITH(run(pre, rank, size, 1), Catch::Contains("ranks registered different layers"));
     CHECK(pre.step_count() == 0);
@@ -620,14 +625,14 @@ TEST_CASE("deferred decompositions equal the single-process result with the same
     SECTION("HYBRID 0.5, d = 1") { check_strategy<kfac::Symmetric>(0.5, false, true, 1); }
   }
   // The delay is visible: d = 1 differs from d = 0 once a deferred decomposition is in use.
-  kfac::Preconditioner<double, Host> now(options(1.0)), later(options(1.0).with_decomposition_delay(1));
+  kfac::Preconditioner<double, Host> now(options()), later(options().with_decomposition_delay(1));
   register_all<kfac::Symmetric>(now);
   register_all<kfac::Symmetric>(later);
   CHECK(rel_diff(run(later, 0, 1, 4), run(now, 0, 1, 4)) > 1e-6);
 }
 
 TEST_CASE("decompositions shared in the background: the same result and bytes as at the swap step", "[mpi][distributed][deferred][background]") {
-  // Options::background_sharing (the default; this main asks MPI for MPI_THREAD_MULTIPLE): on
+  // Kaisa::background_sharing (the default; this main asks MPI for MPI_THREAD_MULTIPLE): on
   // Serial + LAPACK the thread that computes a deferred decomposition also broadcasts it, and
   // every holder that computes none of the layer's units receives it into a shadow of its own,
   // which memory_report() shows while the decomposition is in flight.
@@ -640,7 +645,7 @@ TEST_CASE("decompositions shared in the background: the same result and bytes as
     std::size_t bytes[2] = {0, 0}, pending[2] = {0, 0};
     for (int bg : {0, 1}) {
       kfac::MpiComm comm(MPI_COMM_WORLD);
-      DPre pre(options(fraction).with_decomposition_delay(1).with_background_sharing(bg == 1), Host(), comm);
+      DPre pre(options().with_decomposition_delay(1), Host(), comm, kaisa(fraction).with_background_sharing(bg == 1));
       register_all<kfac::Symmetric>(pre);
       got[bg] = run(pre, rank, size, 3);  // step 2 launches a decomposition, swapped in at step 3
       for (const auto& m : pre.memory_report()) pending[bg] += m.workspace_bytes;
@@ -652,7 +657,7 @@ TEST_CASE("decompositions shared in the background: the same result and bytes as
     CHECK(got[1] == got[0]);  // the same broadcasts, from another thread
     CHECK(bytes[1] == bytes[0]);
     CHECK(identical_on_all_ranks(got[1]));
-    kfac::Preconditioner<double, Host> single(options(1.0).with_decomposition_delay(1));
+    kfac::Preconditioner<double, Host> single(options().with_decomposition_delay(1));
     register_all<kfac::Symmetric>(single);
     CHECK(rel_diff(got[1], run(single, 0, 1, 7)) < 1e-10);
     // Under COMM-OPT every rank holds every layer and at least one layer's units are computed
@@ -673,10 +678,9 @@ TEST_CASE("a decomposition shared in the background that a damping retry mends i
   // allowed, every rank throws the same error.
   const int rank = world_rank(), size = world_size();
   const double big = std::ldexp(1.0, 28);
-  auto options_for = [](int retries, bool bg) {
+  auto options_for = [](int retries) {
     return kfac::Options{}.with_kl_clip(0.0).with_damping(1.0).with_factor_decay(0.0).with_inv_update_steps(1)
-        .with_decomposition_delay(1).with_max_damping_retries(retries).with_damping_retry_factor(1000.0)
-        .with_background_sharing(bg);
+        .with_decomposition_delay(1).with_max_damping_retries(retries).with_damping_retry_factor(1000.0);
   };
   auto run_steps = [&](auto& pre) {
     pre.register_layer("c", kfac::Dense(2, 1, false), kfac::KFAC<kfac::Symmetric, kfac::Cholesky<>>(
@@ -698,15 +702,17 @@ TEST_CASE("a decomposition shared in the background that a damping retry mends i
     }
     return out;
   };
-  kfac::Preconditioner<double, Host> single(options_for(1, false));
+  kfac::Preconditioner<double, Host> single(options_for(1));
   const auto expect = run_steps(single);
   for (bool bg : {true, false}) {
     INFO("rank " << rank << " of " << size << ", background sharing " << bg);
-    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options_for(1, bg), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options_for(1), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                                          kfac::Kaisa{}.with_background_sharing(bg));
     const auto got = run_steps(pre);
     CHECK(rel_diff(got, expect) < 1e-12);
     CHECK(identical_on_all_ranks(got));
-    kfac::Preconditioner<double, Host, kfac::MpiComm> strict(options_for(0, bg), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    kfac::Preconditioner<double, Host, kfac::MpiComm> strict(options_for(0), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                                             kfac::Kaisa{}.with_background_sharing(bg));
     CHECK_THROWS_WITH(run_steps(strict), Catch::Contains("layer 'c'") && Catch::Contains("failed after 0 damping increase(s)"));
     CHECK(strict.step_count() == 2);
   }
@@ -716,12 +722,12 @@ TEST_CASE("a checkpoint with decompositions in flight resumes bit-identically at
   const int rank = world_rank(), size = world_size();
   using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
   // MEM-OPT with and without reduce-to-owner; COMM-OPT, whose holders share the decompositions in
-  // the background (Options::background_sharing) in the uninterrupted run and at the swap step
+  // the background (Kaisa::background_sharing) in the uninterrupted run and at the swap step
   // after the restart (a decomposition restarted by load() has no sharer).
   for (auto [fraction, owner] : {std::pair{1.0 / size, false}, std::pair{1.0 / size, true}, std::pair{1.0, false}}) {
     auto make = [&, fraction = fraction, owner = owner] {
-      auto p = std::make_unique<DPre>(options(fraction).with_decomposition_delay(2).with_reduce_to_owner(owner), Host(),
-                                      kfac::MpiComm(MPI_COMM_WORLD));
+      auto p = std::make_unique<DPre>(options().with_decomposition_delay(2), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                      kaisa(fraction).with_reduce_to_owner(owner));
       register_all<kfac::Symmetric, kfac::Cholesky<>>(*p);
       return p;
     };
@@ -736,7 +742,7 @@ TEST_CASE("distributed checkpoints resume bit-identically; factors restore at an
   const int size = world_size();
   using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
   auto make = [&] {
-    auto p = std::make_unique<DPre>(options(1.0 / size), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    auto p = std::make_unique<DPre>(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD), kaisa(1.0 / size));
     register_all<kfac::Symmetric>(*p);
     return p;
   };
@@ -745,7 +751,7 @@ TEST_CASE("distributed checkpoints resume bit-identically; factors restore at an
 
   // A single-process checkpoint restores its (global) factors on every rank of any world size;
   // its decompositions are per-rank state and are recomputed (load returns false) when W > 1.
-  kfac::Preconditioner<double, Host> single(options(1.0));
+  kfac::Preconditioner<double, Host> single(options());
   register_all<kfac::Symmetric>(single);
   run(single, 0, 1, 3);
   std::ostringstream os1(std::ios::binary);
@@ -761,11 +767,12 @@ TEST_CASE("reduce-to-owner checkpoints hold the global factors", "[mpi][checkpoi
   const int rank = world_rank(), size = world_size();
   using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
   auto make = [&](double f) {
-    auto p = std::make_unique<DPre>(options(f).with_reduce_to_owner(true), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+    auto p = std::make_unique<DPre>(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                    kaisa(f).with_reduce_to_owner(true));
     register_all<kfac::Symmetric>(*p);
     return p;
   };
-  kfac::Preconditioner<double, Host> single(options(1.0)), single3(options(1.0));
+  kfac::Preconditioner<double, Host> single(options()), single3(options());
   register_all<kfac::Symmetric>(single);
   register_all<kfac::Symmetric>(single3);
   auto expect = run(single, 0, 1, 6);
@@ -789,7 +796,7 @@ TEST_CASE("reduce-to-owner checkpoints hold the global factors", "[mpi][checkpoi
     CHECK(identical_on_all_ranks(got));
     // Another world size: every rank's checkpoint holds the global factors, which restore in
     // one process (decompositions are per-rank state, recomputed when W > 1).
-    kfac::Preconditioner<double, Host> one(options(1.0));
+    kfac::Preconditioner<double, Host> one(options());
     register_all<kfac::Symmetric>(one);
     std::istringstream is1(os.str(), std::ios::binary);
     CHECK(one.load(is1) == (size == 1));
@@ -800,7 +807,7 @@ TEST_CASE("reduce-to-owner checkpoints hold the global factors", "[mpi][checkpoi
   std::ostringstream os(std::ios::binary);
   single3.save(os);
   auto job = make(1.0 / size);
-  DPre plain(options(1.0 / size), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  DPre plain(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD), kaisa(1.0 / size));
   register_all<kfac::Symmetric>(plain);
   std::istringstream is(os.str(), std::ios::binary), is2(os.str(), std::ios::binary);
   CHECK(job->load(is) == plain.load(is2));
@@ -814,7 +821,7 @@ TEST_CASE("every rank may load rank 0's checkpoint", "[mpi][checkpoint]") {
   // ranks disagreeing about which layers to decompose, and the next step would hang.
   const int rank = world_rank(), size = world_size();
   using DPre = kfac::Preconditioner<double, Host, kfac::MpiComm>;
-  DPre first(options(1.0), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  DPre first(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD), kaisa(1.0));
   register_all<kfac::Symmetric>(first);
   run(first, rank, size, 3);
   std::ostringstream os(std::ios::binary);
@@ -824,7 +831,7 @@ TEST_CASE("every rank may load rank 0's checkpoint", "[mpi][checkpoint]") {
   MPI_Bcast(&n, 1, MPI_UNSIGNED_LONG, 0, MPI_COMM_WORLD);
   bytes.resize(n);
   MPI_Bcast(&bytes[0], int(n), MPI_CHAR, 0, MPI_COMM_WORLD);
-  DPre resumed(options(1.0), Host(), kfac::MpiComm(MPI_COMM_WORLD));
+  DPre resumed(options(), Host(), kfac::MpiComm(MPI_COMM_WORLD), kaisa(1.0));
   register_all<kfac::Symmetric>(resumed);
   std::istringstream is(bytes, std::ios::binary);
   CHECK(resumed.load(is) == (size == 1));
@@ -899,55 +906,43 @@ TEST_CASE("a deferred decomposition failing on the rank that computes it is an e
   CHECK(identical_on_all_ranks({double(pre.step_count()), double(pre.last_decomposition_step())}));
 }
 
-/// options() without the distribution's settings (those go on the policy object).
-kfac::Options numerics() { return options(1.0).with_bucket_bytes(kfac::Options{}.bucket_bytes); }
-
-TEST_CASE("kfac::Kaisa holds its settings: the same bits and bytes as kfac 0.2's Options fields", "[mpi][distributed][policy]") {
+TEST_CASE("kfac::Kaisa holds the distribution's settings, the only place they are read", "[mpi][distributed][policy]") {
   const int rank = world_rank(), size = world_size();
   const double fraction = size == 4 ? 0.5 : 1.0 / size;  // HYBRID at 4 ranks, else MEM-OPT
-  // kfac 0.2's spelling: the distribution's settings on Options.
-  kfac::MpiComm old_comm(MPI_COMM_WORLD), new_comm(MPI_COMM_WORLD);
-  kfac::Preconditioner<double, Host, kfac::MpiComm> old_style(
-      options(fraction).with_reduce_to_owner(true).with_split_preconditioning(true).with_bucket_bytes(256),
-      Host(), old_comm);
-  // The policy object.
   const auto policy = kfac::Kaisa{}
                           .with_grad_worker_fraction(fraction)
                           .with_reduce_to_owner(true)
                           .with_split_preconditioning(true)
                           .with_bucket_bytes(256);
-  kfac::Preconditioner<double, Host, kfac::MpiComm> new_style(numerics(), Host(), new_comm, policy);
-  CHECK(new_style.distribution().grad_worker_fraction == fraction);
-  CHECK(new_style.distribution().bucket_bytes == 256);
-  CHECK(old_style.distribution().reduce_to_owner);  // read from Options
-  register_all<kfac::Symmetric>(old_style);
-  register_all<kfac::Symmetric>(new_style);
-  const auto a = run(old_style, rank, size, 5), b = run(new_style, rank, size, 5);
-  REQUIRE(a.size() == b.size());
-  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
-  CHECK(old_comm.bytes_sent() == new_comm.bytes_sent());
-  CHECK(old_comm.messages() == new_comm.messages());
-  if (size > 1) CHECK(new_comm.messages() > 0);
-  // The default policy reads the defaults.
-  CHECK(kfac::Kaisa::set_in(numerics()).empty());
-  CHECK(kfac::Kaisa::set_in(options(1.0)) == std::vector<std::string>{"bucket_bytes"});
+  kfac::MpiComm comm(MPI_COMM_WORLD), plain_comm(MPI_COMM_WORLD);
+  kfac::Preconditioner<double, Host, kfac::MpiComm> pre(options(), Host(), comm, policy);
+  CHECK(pre.distribution().grad_worker_fraction == fraction);
+  CHECK(pre.distribution().bucket_bytes == 256);
+  CHECK(pre.distribution().reduce_to_owner);
+  // Without a policy object: kfac::Kaisa{}, COMM-OPT with every default.
+  kfac::Preconditioner<double, Host, kfac::MpiComm> plain(options(), Host(), plain_comm);
+  CHECK(plain.distribution().grad_worker_fraction == 1.0);
+  CHECK_FALSE(plain.distribution().reduce_to_owner);
+  CHECK(plain.distribution().bucket_bytes == kfac::Kaisa{}.bucket_bytes);
+  register_all<kfac::Symmetric>(pre);
+  register_all<kfac::Symmetric>(plain);
+  kfac::Preconditioner<double, Host> single(options());
+  register_all<kfac::Symmetric>(single);
+  const auto expect = run(single, 0, 1, 5);
+  const auto got = run(pre, rank, size, 5), got_plain = run(plain, rank, size, 5);
+  CHECK(rel_diff(got, expect) < 1e-10);
+  CHECK(rel_diff(got_plain, expect) < 1e-10);
+  CHECK(identical_on_all_ranks(got));
+  // The policy's settings take effect: other collectives, other bytes than the defaults'.
+  if (size > 1) CHECK(comm.bytes_sent() != plain_comm.bytes_sent());
 }
 
-TEST_CASE("a distribution setting given on both Options and the policy object is refused by name", "[mpi][distributed][policy][errors]") {
+TEST_CASE("ranks whose distribution policies differ refuse the first step together",
+          "[mpi][distributed][policy][errors]") {
   kfac::MpiComm comm(MPI_COMM_WORLD);
   using P = kfac::Preconditioner<double, Host, kfac::MpiComm>;
-  try {
-    P p(numerics().with_reduce_to_owner(true).with_comm_precision(kfac::CommPrecision::float32), Host(), comm,
-        kfac::Kaisa{}.with_reduce_to_owner(true));
-    FAIL("no error");
-  } catch (const kfac::Error& e) {
-    const std::string what = e.what();
-    INFO(what);
-    CHECK(what.find("reduce_to_owner, comm_precision") != std::string::npos);
-    CHECK(what.find("kfac::kaisa") != std::string::npos);
-  }
   // Ranks whose policies differ refuse the first step together (the registration signature).
-  P q(numerics(), Host(), comm, kfac::Kaisa{}.with_bucket_bytes(world_rank() == 0 ? 1024 : 2048));
+  P q(options(), Host(), comm, kfac::Kaisa{}.with_bucket_bytes(world_rank() == 0 ? 1024 : 2048));
   register_all<kfac::Symmetric>(q);
   if (world_size() > 1) CHECK_THROWS_WITH(run(q, world_rank(), world_size(), 1), Catch::Contains("ranks registered different"));
 }

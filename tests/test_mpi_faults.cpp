@@ -11,8 +11,9 @@ namespace {
 
 kfac::Options fault_options() {
   return kfac::Options{}.with_damping(1e-2).with_kl_clip(1e-3).with_factor_decay(0.9)
-      .with_inv_update_steps(2).with_loss_reduction(kfac::LossReduction::sum).with_bucket_bytes(1024);
+      .with_inv_update_steps(2).with_loss_reduction(kfac::LossReduction::sum);
 }
+kfac::Kaisa fault_kaisa() { return kfac::Kaisa{}.with_bucket_bytes(1024); }
 
 /// Two K-FAC layers and world + 1 toy layers (so that every rank decomposes some toy unit).
 std::vector<Layer> fault_net() {
@@ -39,8 +40,10 @@ void check_refused(const char* fault, const Outcome& o, const std::string& expec
 struct Pair {
   Pre pre, twin;
   std::vector<Layer> net;
-  Pair(const kfac::Options& mine, const kfac::Options& twins, std::vector<Layer> layers = fault_net())
-      : pre(mine, Host{}, kfac::MpiComm(MPI_COMM_WORLD)), twin(twins, Host{}, kfac::MpiComm(MPI_COMM_WORLD)),
+  Pair(const kfac::Options& mine, const kfac::Options& twins, std::vector<Layer> layers = fault_net(),
+       const kfac::Kaisa& kaisa = fault_kaisa())
+      : pre(mine, Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa),
+        twin(twins, Host{}, kfac::MpiComm(MPI_COMM_WORLD), kaisa),
         net(std::move(layers)) {
     register_net(pre, net);
     register_net(twin, net);
@@ -179,8 +182,8 @@ TEST_CASE("a different bucket_bytes on one rank is the same error on every rank"
   Pair p(fault_options(), fault_options(), {{"fc1", 5, 4, false}, {"fc2", 4, 3, false}, {"fc3", 3, 6, false}});
   REQUIRE(everywhere(p.warm()));
   const std::string good = saved(p.pre);
-  Pre faulty(rank_in() == bad ? fault_options().with_bucket_bytes(64) : fault_options(), Host{},
-             kfac::MpiComm(MPI_COMM_WORLD));
+  Pre faulty(fault_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD),
+             rank_in() == bad ? fault_kaisa().with_bucket_bytes(64) : fault_kaisa());
   register_net(faulty, p.net);
   const Outcome o = attempt([&] { loaded(faulty, good); });
   report("different bucket_bytes", o);
@@ -191,7 +194,7 @@ TEST_CASE("a different bucket_bytes on one rank is the same error on every rank"
   CHECK(o.what.find(rank_in() == bad ? ";b=64;" : ";b=1024;") != std::string::npos);
   CHECK(everywhere(o.seconds < 5.0));
   CHECK(everywhere(faulty.step_count() == 0));
-  Pre fixed(fault_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+  Pre fixed(fault_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD), fault_kaisa());
   register_net(fixed, p.net);
   CHECK(everywhere(loaded(fixed, good)));
   Grads f = feed(fixed, p.net, kSeed, kWarm, rank_in());
@@ -211,7 +214,7 @@ TEST_CASE("a different schedule on one rank is the same error on every rank", "[
   const Outcome o = attempt([&] { p.pre.step(); });
   check_refused("different inv_update_steps", o, "kfac: ranks disagree on this step's hyperparameter values");
   CHECK(everywhere(saved(p.pre) == before && p.pre.step_count() == 0));
-  Pre fixed(fault_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD));
+  Pre fixed(fault_options(), Host{}, kfac::MpiComm(MPI_COMM_WORLD), fault_kaisa());
   register_net(fixed, p.net);
   bool equal = true;
   for (long s = 0; s < 4; ++s)
@@ -271,8 +274,8 @@ TEST_CASE("observations that would overflow a bfloat16 payload on one rank are t
   if (size_of() == 1) return;  // one rank sends nothing: the payload does not apply
   const int bad = size_of() - 1;
   for (auto policy : {kfac::NonFinitePolicy::raise, kfac::NonFinitePolicy::skip}) {
-    const kfac::Options o = fault_options().with_comm_precision(kfac::CommPrecision::bfloat16).with_nonfinite_policy(policy);
-    Pair p(o, o);
+    const kfac::Options o = fault_options().with_nonfinite_policy(policy);
+    Pair p(o, o, fault_net(), fault_kaisa().with_comm_precision(kfac::CommPrecision::bfloat16));
     REQUIRE(everywhere(p.warm()));
     const std::string before = saved(p.pre);
     Grads g = feed(p.pre, p.net, kSeed, kWarm, rank_in());

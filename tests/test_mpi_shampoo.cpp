@@ -16,10 +16,11 @@ TEST_CASE("Shampoo under MPI equals a single process on every rank", "[mpi][sham
   for (double fraction : {1.0, 1.0 / world}) {
     for (bool owner : {false, true}) {
       INFO("grad_worker_fraction " << fraction << ", reduce_to_owner " << owner << " at " << world << " ranks");
-      const auto o = plain_options(0.05).with_factor_decay(0.9).with_inv_update_steps(3)
-                         .with_grad_worker_fraction(fraction).with_reduce_to_owner(owner);
-      kfac::Preconditioner<double, Host, kfac::MpiComm> pre(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD));
-      Pre single(kfac::Options(o).with_grad_worker_fraction(1.0));  // one rank: the only valid fraction
+      const auto o = plain_options(0.05).with_factor_decay(0.9).with_inv_update_steps(3);
+      const auto k = kfac::Kaisa{}.with_grad_worker_fraction(fraction).with_reduce_to_owner(owner);
+      kfac::Preconditioner<double, Host, kfac::MpiComm> pre(o, Host{}, kfac::MpiComm(MPI_COMM_WORLD), k);
+      // one rank: the only valid fraction is 1
+      Pre single(o, Host{}, kfac::SerialComm{}, kfac::Kaisa(k).with_grad_worker_fraction(1.0));
       register_layers(pre, net);
       register_layers(single, net);
       bool close = true;

@@ -128,7 +128,7 @@ TEST_CASE("ranks that arrived are told apart from the one that did not", "[mpi][
 
 TEST_CASE("save() with reduce_to_owner on one rank only times out there, naming save", "[mpi][watchdog]") {
   if (size_of() == 1) return;
-  Pre pre(options().with_reduce_to_owner(true), Host{}, watched());
+  Pre pre(options(), Host{}, watched(), kfac::Kaisa{}.with_reduce_to_owner(true));
   const auto layers = net();
   register_net(pre, layers);
   for (long s = 0; s < 2; ++s) step_once(pre, layers, 5, s, rank_in());

@@ -1,5 +1,5 @@
 /// \file bench_background.cpp
-/// \brief What Options::background_sharing saves at the step that swaps a deferred
+/// \brief What Kaisa::background_sharing saves at the step that swaps a deferred
 /// decomposition in (Options::decomposition_delay): the broadcasts of the decompositions, which
 /// the thread that computed them has already made while the host was busy with other work.
 ///
@@ -66,9 +66,9 @@ void run(const Args& a, bool background, Times& t, double& sink) {
                      .with_damping(1e-3)
                      .with_factor_update_steps(1)
                      .with_inv_update_steps(a.inv_every)
-                     .with_decomposition_delay(a.delay)
-                     .with_background_sharing(background);
-  kfac::Preconditioner<float, Host, kfac::MpiComm> pre(o, Host(), kfac::MpiComm(MPI_COMM_WORLD));
+                     .with_decomposition_delay(a.delay);
+  kfac::Preconditioner<float, Host, kfac::MpiComm> pre(o, Host(), kfac::MpiComm(MPI_COMM_WORLD),
+                                                       kfac::Kaisa{}.with_background_sharing(background));
   for (int l = 0; l < a.layers; ++l)
     pre.register_layer<kfac::Dense, kfac::Symmetric, kfac::Eigendecomposition<>>("fc" + std::to_string(l),
                                                                                   kfac::Dense(a.width, a.width));

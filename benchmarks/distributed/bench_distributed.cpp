@@ -36,9 +36,9 @@
 /// model's ResNet-50 table (one rank).
 ///
 /// Usage: mpiexec -n N bench_distributed [--model mlp|resnet|small|all] [--strategies comm,hybrid,mem]
-///          (each also as comm+own, hybrid+own, mem+own: with Options::reduce_to_owner)
+///          (each also as comm+own, hybrid+own, mem+own: with Kaisa::reduce_to_owner)
 ///          [--reps 5] [--warmup 6] [--batch 256] [--conv-batch 16] [--shards 1]
-///          [--schedule-inv 10] [--schedule-reps 3] [--overlap 1|0 (Options::overlap_communication)]
+///          [--schedule-inv 10] [--schedule-reps 3] [--overlap 1|0 (Kaisa::overlap_communication)]
 ///          [--figures measured|defaults] [--csv FILE] [--calibrate]
 ///          [--resnet50-table [--bandwidth B] [--latency L] [--eigen-seconds-per-n3 S] [--gemm-flops F]]
 /// Exit status: 0, or 1 when measured bytes or memory differ from the model (they are exact
@@ -371,7 +371,7 @@ struct Config {
   std::vector<std::string> strategies{"comm", "hybrid", "mem"};
   int reps = 5, warmup = 6, batch = 256, conv_batch = 16, shards = 1;
   int schedule_inv = 10, schedule_reps = 3;  ///< the training-schedule measurement (0 windows: off)
-  bool overlap = true;  ///< Options::overlap_communication of every run
+  bool overlap = true;  ///< Kaisa::overlap_communication of every run
   bool measured_figures = true, calibrate_only = false, resnet50_table = false;
   double bandwidth = 0, latency = 0, eigen = 0, gemm = 0;
   std::string csv;
@@ -380,7 +380,7 @@ struct Config {
 struct Strategy {
   std::string name;
   double fraction;
-  bool to_owner = false;  ///< Options::reduce_to_owner
+  bool to_owner = false;  ///< Kaisa::reduce_to_owner
 };
 
 /// Strategies that exist at this world size (HYBRID needs 1 < f W < W: 4 ranks or more).
@@ -398,25 +398,29 @@ std::vector<Strategy> strategies(const Config& c) {
   return v;
 }
 
-kfac::Options bench_options(double fraction, int warmup) {
+kfac::Options bench_options(int warmup) {
   const long last_factor_step = warmup - 1;
   return kfac::Options{}
       .with_loss_reduction(kfac::LossReduction::sum)
-      .with_grad_worker_fraction(fraction)
       .with_factor_update_steps([last_factor_step](long s) { return s < last_factor_step ? 1L : 1L << 40; })
       .with_inv_update_steps(2L);
 }
 
 /// The training schedule's options: a factor update every step, a decomposition every
 /// `schedule_inv` steps (the run and its prediction both read them).
-kfac::Options schedule_options(const Config& c, const Strategy& st) {
+kfac::Options schedule_options(const Config& c) {
   return kfac::Options{}
       .with_loss_reduction(kfac::LossReduction::sum)
-      .with_grad_worker_fraction(st.fraction)
-      .with_reduce_to_owner(st.to_owner)
-      .with_overlap_communication(c.overlap)
       .with_factor_update_steps(1L)
       .with_inv_update_steps(long(c.schedule_inv));
+}
+
+/// The strategy's KAISA settings (the run and its prediction both read them).
+kfac::Kaisa strategy_kaisa(const Config& c, const Strategy& st) {
+  return kfac::Kaisa{}
+      .with_grad_worker_fraction(st.fraction)
+      .with_reduce_to_owner(st.to_owner)
+      .with_overlap_communication(c.overlap);
 }
 
 /// The step as a training loop runs it, to set beside the model's CostPrediction::step_seconds():
@@ -427,7 +431,7 @@ kfac::Options schedule_options(const Config& c, const Strategy& st) {
 /// the part of it spent in observe + set_gradient (the largest over ranks).
 std::pair<double, double> schedule_seconds(const Config& c, const Model& m, const Strategy& st) {
   kfac::MpiComm comm(MPI_COMM_WORLD);
-  Pre pre(schedule_options(c, st), Host(), comm);
+  Pre pre(schedule_options(c), Host(), comm, strategy_kaisa(c, st));
   for (const auto& s : m.layers) s.visit([&](const auto& layer) { pre.register_layer(s.name, layer); });
   Data d(m, unsigned(g_rank * c.shards), unsigned(c.shards));
   std::vector<double> windows, observing;
@@ -453,9 +457,9 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
             std::FILE* csv) {
   const std::string started = clock_time();
   kfac::MpiComm comm(MPI_COMM_WORLD);
-  const kfac::Options opts =
-      bench_options(st.fraction, c.warmup).with_reduce_to_owner(st.to_owner).with_overlap_communication(c.overlap);
-  Pre pre(opts, Host(), comm);
+  const kfac::Options opts = bench_options(c.warmup);
+  const kfac::Kaisa kaisa = strategy_kaisa(c, st);
+  Pre pre(opts, Host(), comm, kaisa);
   for (const auto& s : m.layers) s.visit([&](const auto& layer) { pre.register_layer(s.name, layer); });
   Data d(m, unsigned(g_rank * c.shards), unsigned(c.shards));
   // With several ranks, rank 0 also runs a one-rank baseline (MPI_COMM_SELF) whose steps are
@@ -463,7 +467,7 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
   std::unique_ptr<Pre> base;
   std::unique_ptr<Data> base_data;
   if (g_size > 1 && g_rank == 0) {
-    base = std::make_unique<Pre>(bench_options(1.0, c.warmup), Host(), kfac::MpiComm(MPI_COMM_SELF));
+    base = std::make_unique<Pre>(bench_options(c.warmup), Host(), kfac::MpiComm(MPI_COMM_SELF));
     for (const auto& s : m.layers) s.visit([&](const auto& layer) { base->register_layer(s.name, layer); });
     base_data = std::make_unique<Data>(m, 0u, unsigned(g_size * c.shards));  // the whole global batch
   }
@@ -524,12 +528,13 @@ int run_one(const Config& c, const Model& m, const Strategy& st, const kfac::Mac
                     factor_bytes = bytes_step1 - bytes_plain;
 
   const kfac::CostModel model(shapes_of(m), figures);
-  const kfac::CostPrediction p = model.predict(g_size, opts);
+  const kfac::CostPrediction p = model.predict(g_size, opts, kaisa);
   // The training schedule, and the model's step time for it (factor computation included).
   const auto sched = c.schedule_reps > 0 ? schedule_seconds(c, m, st) : std::pair<double, double>{0, 0};
   const double sched_ms = 1e3 * sched.first;
   const kfac::CostPrediction ps =
-      kfac::CostModel(shapes_of(m, long(g_size) * c.shards * m.batch), figures).predict(g_size, schedule_options(c, st));
+      kfac::CostModel(shapes_of(m, long(g_size) * c.shards * m.batch), figures)
+          .predict(g_size, schedule_options(c), strategy_kaisa(c, st));
   const auto& mine = p.ranks[std::size_t(g_rank)];
   const auto report = pre.memory_report();
   std::size_t mem[3] = {0, 0, 0};
@@ -637,7 +642,7 @@ void resnet50_table(const Config& c) {
         {"COMM-OPT", 1.0}, {"HYBRID f=1/2", 0.5}, {"HYBRID gw=8", 8.0 / w}, {"MEM-OPT", 1.0 / w}};
     for (const auto& [name, fraction] : strategies) {
       if (std::string(name) == "HYBRID gw=8" && w == 8) continue;  // that is COMM-OPT
-      const auto p = model.predict(w, kfac::Options{}.with_grad_worker_fraction(fraction));
+      const auto p = model.predict(w, kfac::Kaisa{}.with_grad_worker_fraction(fraction));
       double max_dec_mem = 0, max_dec_bytes = 0, max_grad = 0, max_pre = 0;
       for (const auto& r : p.ranks) {
         max_pre = std::max(max_pre, r.preconditioning_seconds);

@@ -134,7 +134,7 @@ struct KfacSettings {
   std::string factor_precision = "float";
   long decomposition_delay = 0;
   double eigen_refresh = 0;
-  /// KAISA's gradient-worker fraction under MPI (kfac::Options::with_grad_worker_fraction):
+  /// KAISA's gradient-worker fraction under MPI (kfac::Kaisa::with_grad_worker_fraction):
   /// 1 = COMM-OPT (every rank preconditions every layer), 1/world = MEM-OPT; 0 picks it from
   /// `strategy` and the world size.
   double grad_worker_fraction = 0;
@@ -143,11 +143,11 @@ struct KfacSettings {
   /// this network with `figures`, chosen at the first step (see KfacSgd::chosen()); a setting
   /// marked as given below is kept.
   std::string strategy = "auto";
-  bool reduce_to_owner = false;       ///< kfac::Options::with_reduce_to_owner
-  bool split_preconditioning = false; ///< kfac::Options::with_split_preconditioning
+  bool reduce_to_owner = false;       ///< kfac::Kaisa::with_reduce_to_owner
+  bool split_preconditioning = false; ///< kfac::Kaisa::with_split_preconditioning
   bool reduce_to_owner_given = false, split_preconditioning_given = false;  ///< set by the user: auto keeps them
   ModelFigures figures;               ///< the machine figures --strategy auto predicts with
-  bool overlap_communication = true;  ///< kfac::Options::with_overlap_communication
+  bool overlap_communication = true;  ///< kfac::Kaisa::with_overlap_communication
   /// kfac::recipes::large_batch with lr, damping and kl_clip above as the values tuned at the
   /// recipe's reference batch 256 (see recipe_of), or none.
   RecipeSettings recipe;
@@ -176,21 +176,27 @@ inline bool strategy_is_auto(const KfacSettings& s, int world_size) {
 #if KFAC_EXAMPLES_HAVE_KFAC
 
 /// \brief kfac::Options of `s`, for the mean-reduced loss of the examples' cross-entropy.
-inline kfac::Options kfac_options(const KfacSettings& s, int world_size = 1) {
-  const double f = resolve_grad_worker_fraction(s, world_size);
+inline kfac::Options kfac_options(const KfacSettings& s) {
   return kfac::Options{}
-      .with_grad_worker_fraction(f > 0 ? f : 1.0)
       .with_lr(s.lr)
       .with_damping(s.damping)
       .with_kl_clip(s.kl_clip)
       .with_factor_decay(s.factor_decay)
       .with_factor_update_steps(s.factor_update_steps)
       .with_inv_update_steps(s.inv_update_steps)
-      .with_reduce_to_owner(s.reduce_to_owner)
-      .with_split_preconditioning(s.split_preconditioning)
-      .with_overlap_communication(s.overlap_communication)
       .with_decomposition_delay(s.decomposition_delay)
       .with_loss_reduction(kfac::LossReduction::mean);
+}
+
+/// \brief The KAISA distribution of `s` on `world_size` ranks (under --strategy auto, COMM-OPT
+/// until KfacSgd chooses at its first step).
+inline kfac::Kaisa kfac_distribution(const KfacSettings& s, int world_size = 1) {
+  const double f = resolve_grad_worker_fraction(s, world_size);
+  return kfac::Kaisa{}
+      .with_grad_worker_fraction(f > 0 ? f : 1.0)
+      .with_reduce_to_owner(s.reduce_to_owner)
+      .with_split_preconditioning(s.split_preconditioning)
+      .with_overlap_communication(s.overlap_communication);
 }
 
 /// \brief The recipe of `r` around a learning rate `lr` tuned at batch 256, with a warm-up of
@@ -270,7 +276,8 @@ class KfacSgd {
       throw std::invalid_argument("unknown K-FAC factor precision '" + s.factor_precision + "' (expected float or half)");
     if (s.recipe.name != "none" && s.recipe.name != "large-batch")
       throw std::invalid_argument("unknown recipe '" + s.recipe.name + "' (expected none or large-batch)");
-    kfac::Options options = kfac_options(s, world.size());
+    kfac::Options options = kfac_options(s);
+    kaisa_ = kfac_distribution(s, world.size());
     if (s.recipe.name == "large-batch") {
       const kfac::recipes::LargeBatch r = recipe_of(s);
       options = r.options(options);
@@ -401,7 +408,7 @@ class KfacSgd {
   /// `world` ranks, with the observation rows of the last step's batch on this rank (times
   /// `world`: the global batch): what kfac_seconds() should come to per step. Call it after a step.
   KfacStepCost predicted(Network& net, int world, const ModelFigures& figures = {}) const {
-    return cost_of(plan(net, world, figures).predict(world, options_));
+    return cost_of(plan(net, world, figures).predict(world, options_, kaisa_));
   }
 
   /// \brief The KL-clip scale of the last step (1 = unclipped), for diagnostics.
@@ -423,6 +430,7 @@ class KfacSgd {
 #endif
 
   kfac::Options options_;
+  kfac::Kaisa kaisa_;      ///< the distribution (chosen at the first step under --strategy auto)
   KfacSettings settings_;  ///< the inversion and its settings registered, and what --strategy auto chooses among
   World world_;
   std::string chosen_;
@@ -432,9 +440,9 @@ class KfacSgd {
   void construct(Network& net) {
 #if KFAC_EXAMPLES_HAVE_MPI
     if (world_.size() > 1)
-      mpi_ = std::make_unique<MpiPreconditioner>(options_, ExecSpace(), kfac::MpiComm(world_.comm()));
+      mpi_ = std::make_unique<MpiPreconditioner>(options_, ExecSpace(), kfac::MpiComm(world_.comm()), kaisa_);
 #endif
-    if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options_);
+    if (!mpi_) serial_ = std::make_unique<SerialPreconditioner>(options_, ExecSpace(), kfac::SerialComm{}, kaisa_);
     with_preconditioner([&](auto& pre) { register_layers(net, pre); });
   }
 
@@ -450,7 +458,7 @@ class KfacSgd {
     for (int w = world; w >= 1; --w)
       if (world % w == 0) workers.push_back(w);
     struct Candidate {
-      kfac::Options options;
+      kfac::Kaisa kaisa;
       double seconds;
       std::string name;
     };
@@ -461,12 +469,12 @@ class KfacSgd {
           if (settings_.split_preconditioning_given && bool(split) != settings_.split_preconditioning) continue;
           if (settings_.reduce_to_owner_given && bool(own) != settings_.reduce_to_owner) continue;
           if (split && w == 1) continue;  // one gradient worker per layer: nothing to divide
-          const kfac::Options o = kfac::Options(options_).with_grad_worker_fraction(double(w) / double(world))
-                                      .with_split_preconditioning(split).with_reduce_to_owner(own);
+          const kfac::Kaisa k = kfac::Kaisa(kaisa_).with_grad_worker_fraction(double(w) / double(world))
+                                    .with_split_preconditioning(split).with_reduce_to_owner(own);
           char name[64];
           std::snprintf(name, sizeof name, "%s%s%s", w == world ? "comm-opt" : w == 1 ? "mem-opt" : ("hybrid(" + std::to_string(w) + ")").c_str(),
                         split ? "+split" : "", own ? "+own" : "");
-          candidates.push_back({o, model.predict(world, o).step_seconds(), name});
+          candidates.push_back({k, model.predict(world, options_, k).step_seconds(), name});
         }
     std::size_t best = 0;
     for (std::size_t i = 1; i < candidates.size(); ++i)
@@ -474,7 +482,7 @@ class KfacSgd {
     std::vector<double> pick{world_.rank() == 0 ? double(best) : 0.0};
     world_.sum(pick);
     best = std::size_t(pick[0]);
-    options_ = candidates[best].options;
+    kaisa_ = candidates[best].kaisa;
     auto ms = [](double s) {
       char b[32];
       std::snprintf(b, sizeof b, "%.2f ms", 1e3 * s);

@@ -63,21 +63,14 @@ class Preconditioner {
   using block_type = impl::Block<Scalar, Exec>;
   using layer_base = block_type;  ///< the name of block_type in kfac 0.1
 
-  /// \brief The distribution's settings from `options` (kfac 0.2's spelling: Options::
-  /// with_grad_worker_fraction, with_reduce_to_owner, ...; Distribution::from_options).
-  explicit Preconditioner(Options options = Options{}, Exec exec = Exec{}, Comm comm = Comm{})
-      : Preconditioner(options, std::move(exec), std::move(comm), Distribution::from_options(options), 0) {}
-  /// \brief With a distribution policy object that holds its settings, e.g.
-  /// `kfac::Kaisa{}.with_grad_worker_fraction(0.5)`. `options` must then leave the
-  /// distribution's fields at their defaults (they would not be read): a kfac::Error names them.
-  Preconditioner(Options options, Exec exec, Comm comm, Distribution policy)
-      : Preconditioner(std::move(options), std::move(exec), std::move(comm), std::move(policy), 0) {
-    const auto both = Distribution::set_in(options_);
-    if (both.empty()) return;
-    std::string names;
-    for (const auto& n : both) names += (names.empty() ? "" : ", ") + n;
-    throw Error("", std::string("Options sets ") + names + ", which belong to the distribution policy (kfac::" +
-                        Distribution::name + "): set them on the policy object passed to the Preconditioner");
+  /// \brief `options`: the settings every preconditioner reads (schedules, damping, KL clip, ...);
+  /// `policy`: how work is spread over the ranks, with its settings, e.g.
+  /// `kfac::Kaisa{}.with_grad_worker_fraction(0.5)` (kfac 0.2 read those from Options).
+  explicit Preconditioner(Options options = Options{}, Exec exec = Exec{}, Comm comm = Comm{},
+                          Distribution policy = Distribution{})
+      : options_(std::move(options)), exec_(std::move(exec)), policy_(std::move(policy)),
+        dist_(policy_, std::move(comm)), client_(impl::next_client_of(dist_.comm())) {
+    StepValues::at(options_, 0);  // reject bad constants at construction
   }
 
   /// \brief Registers `layer` under a unique name with a method object, e.g.
@@ -265,7 +258,7 @@ class Preconditioner {
 
   /// \brief Writes the whole state (statistics, decompositions unless told not to, schedules,
   /// layer names and signatures) as a versioned, checksummed stream (format: serializer.hpp).
-  /// With Options::reduce_to_owner, collective: the owners share the global factors first.
+  /// With Kaisa::reduce_to_owner, collective: the owners share the global factors first.
   void save(std::ostream& os, bool with_decompositions = true) const {
     [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::save at step ", step_,
                                                              " (collective with reduce_to_owner: every rank calls it)");
@@ -339,12 +332,6 @@ class Preconditioner {
  private:
   using dist_type = typename Distribution::template State<Exec, Comm>;
   static_assert(impl::DistributionContract<dist_type, Exec>::ok);  // each member checked by name
-
-  Preconditioner(Options options, Exec exec, Comm comm, Distribution policy, int /*delegated*/)
-      : options_(std::move(options)), exec_(std::move(exec)), policy_(std::move(policy)),
-        dist_(policy_, std::move(comm)), client_(impl::next_client_of(dist_.comm())) {
-    StepValues::at(options_, 0);  // reject bad constants at construction
-  }
 
   /// Statistics and a decomposition for every layer at `step` at the latest; decompositions in
   /// flight are dropped, and the next ones run at once.

@@ -72,7 +72,7 @@ class TorchDistComm {
   void sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload, int root = -1) const {
     if (count == 0 || size() == 1) return;
     if (!impl::payload_is_native(payload, scalar_size))
-      throw Error("", "the torch.distributed communicator sums native payloads only (Options::comm_precision = native)");
+      throw Error("", "the torch.distributed communicator sums native payloads only (Kaisa::comm_precision = native)");
     at::Tensor t = torch::from_blob(data, {int64_t(count)}, scalar_size == 8 ? at::kDouble : at::kFloat);
     state_->bytes += count * scalar_size;
     sum_tensor(t, root, state_->pg);

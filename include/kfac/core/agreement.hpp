@@ -86,20 +86,10 @@ inline std::string options_text(const Options& o) {
       {"initial_factors", std::to_string(int(o.initial_factors))},
       {"precompute_reciprocal", std::to_string(int(o.precompute_reciprocal))},
       {"skip_layers", skip},
-      {"grad_worker_fraction", number(o.grad_worker_fraction)},
-      {"assignment_cost", std::to_string(int(o.assignment_cost))},
-      {"colocate_factors", std::to_string(int(o.colocate_factors))},
-      {"group_layout", std::to_string(int(o.group_layout))},
-      {"bucket_bytes", std::to_string(o.bucket_bytes)},
-      {"reduce_to_owner", std::to_string(int(o.reduce_to_owner))},
-      {"split_preconditioning", std::to_string(int(o.split_preconditioning))},
-      {"comm_precision", std::to_string(int(o.comm_precision))},
       {"nonfinite", std::to_string(int(o.nonfinite))},
       {"max_damping_retries", std::to_string(o.max_damping_retries)},
       {"damping_retry_factor", number(o.damping_retry_factor)},
       {"decomposition_delay", std::to_string(o.decomposition_delay)},
-      {"background_sharing", std::to_string(int(o.background_sharing))},
-      {"overlap_communication", std::to_string(int(o.overlap_communication))},
   };
   for (const auto& [name, value] : fields) put_setting(t, std::string("Options::") + name, value);
   return t;
@@ -211,11 +201,12 @@ std::uint64_t settings_hash(const StepValues& v, const DueList& due) {
 }
 
 /// Hash of what decides the collectives of a step: the step count, which layers update
-/// statistics and decompositions, and the options that shape the communication.
+/// statistics and decompositions, and the options that shape the communication (the
+/// distribution's own settings are agreed at registration, in its signature()).
 template <class DueList>
 std::uint64_t sequence_hash(long step, const DueList& due, const Options& o) {
-  std::string s = std::to_string(step) + ";" + std::to_string(o.bucket_bytes) + ";" +
-                  std::to_string(int(o.comm_precision)) + ";" + std::to_string(int(o.nonfinite)) + ";" + std::to_string(o.decomposition_delay) + ";";
+  std::string s = std::to_string(step) + ";" + std::to_string(int(o.nonfinite)) + ";" +
+                  std::to_string(o.decomposition_delay) + ";";
   for (const auto& d : due) s += char('0' + int(d.factor) + 2 * int(d.inv) + 4 * int(d.defer));
   return fnv1a(s);
 }

@@ -340,7 +340,7 @@ class Block {
   virtual void precondition(const Exec& exec, double damping, const ApplyPart& part) = 0;
   /// The whole of V.
   void apply(const Exec& exec, double damping) { precondition(exec, damping, ApplyPart{}); }
-  /// Split preconditioning (Options::split_preconditioning; BlockDescription::split_passes > 0):
+  /// Split preconditioning (Kaisa::split_preconditioning; BlockDescription::split_passes > 0):
   /// pass `pass` of a divided apply, rows [r0, r1) (possibly empty) of its output.
   void apply_rows(const Exec& exec, double damping, int pass, index_t r0, index_t r1) {
     if (pass < 0 || pass >= description_.split_passes)

@@ -23,7 +23,7 @@ struct Buffer {
 };
 
 /// Shares unit `unit` of one layer (its buffers) from a background thread
-/// (Options::background_sharing); returns {bytes this rank sent, MPI calls}, which the calling
+/// (Kaisa::background_sharing); returns {bytes this rank sent, MPI calls}, which the calling
 /// thread counts later. Empty: the distribution shares nothing in the background.
 using BackgroundSharer = std::function<std::pair<std::size_t, std::size_t>(int unit, const std::vector<Buffer>&)>;
 

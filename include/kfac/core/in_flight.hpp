@@ -19,13 +19,13 @@
 /// solvers) they are computed on the calling thread when swapped in. Either way the bits are
 /// those of the same computation on the statistics of step s.
 ///
-/// With a sharer (Options::background_sharing, impl::BackgroundSharer), the same thread then
+/// With a sharer (Kaisa::background_sharing, impl::BackgroundSharer), the same thread then
 /// broadcasts the layer's units within its worker group, unit by unit in the order of
 /// share_unit, on a communicator of the layer's own: every holder of the layer runs such a job
 /// (those that compute none of its units only receive, into a shadow of their own), so the
 /// decompositions reach every holder before step s + d, which then only copies them in.
 ///
-/// **Started collectives** (Options::overlap_communication) are kept in the order they were
+/// **Started collectives** (Kaisa::overlap_communication) are kept in the order they were
 /// started. The one ordering rule: a sum to every rank is a reduce followed by a broadcast
 /// that starts only when the reduce is complete, and every rank must start those broadcasts
 /// in the same order; InFlight::progress() and InFlight::complete() let a sum start its

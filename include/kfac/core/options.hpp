@@ -8,23 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "kfac/core/comm_precision.hpp"
 #include "kfac/error.hpp"
-
-namespace kfac {
-/// \brief The cost a greedy assignment balances.
-enum class AssignmentCost { compute, memory };
-
-/// \brief How KAISA's rank grid is laid out: worker groups (the gw ranks that share a layer's
-/// decompositions, every inv_update_steps) and receiver groups (one member of every worker
-/// group; they share preconditioned gradients every step under HYBRID/MEM-OPT).
-///
-/// `contiguous_receivers` (default, as kfac-pytorch): receiver group j is the consecutive ranks
-/// j W/gw ... (j+1) W/gw - 1 and worker groups are strided, so with node-major rank numbering the
-/// every-step gradient broadcasts stay inside a node and only the rarer decomposition broadcasts
-/// cross nodes. `contiguous_workers` (kfac 0.1): worker groups are consecutive ranks.
-enum class GroupLayout { contiguous_receivers, contiguous_workers };
-}  // namespace kfac
 
 namespace kfac {
 
@@ -94,7 +78,11 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 }
 }  // namespace schedules
 
-/// \brief All Preconditioner settings, built with `with_*` calls.
+/// \brief The settings every Preconditioner reads, whatever its distribution and methods, built
+/// with `with_*` calls. How work is spread over ranks is the distribution policy's (kfac::Kaisa,
+/// the Preconditioner's fourth argument); a layer's inversion, factors and precision are its
+/// method object's. kfac 0.2's distribution fields here (grad_worker_fraction, reduce_to_owner,
+/// ...) are kfac::Kaisa's settings of the same names since 0.3 (docs/distributed.md).
 ///
 /// | type | name | description | default |
 /// |---|---|---|---|
@@ -108,20 +96,10 @@ inline std::function<double(long)> step_decay(double value, double factor, long 
 /// | InitialFactors | initial_factors | what Kronecker factors start from: the first batch, or the identity (kfac-pytorch) | batch |
 /// | bool | precompute_reciprocal | store 1/(lambda_G lambda_A^T + damping) at decomposition time | false |
 /// | vector<string> | skip_layers | layer names or kinds ("dense", "conv2d", "batch_norm") left unpreconditioned | {} |
-/// | double | grad_worker_fraction | KAISA gradient-worker fraction f in [1/world, 1] (1 = COMM-OPT). This row and the distribution rows below (assignment_cost to split_preconditioning, comm_precision, background_sharing, overlap_communication) are kfac 0.2's spelling of kfac::Kaisa's settings, read only when the Preconditioner is given no policy object | 1.0 |
-/// | AssignmentCost | assignment_cost | what greedy placement balances: compute (n^3) or memory (n^2) | compute |
-/// | bool | colocate_factors | decompose a layer's A and G on the same rank | true |
-/// | GroupLayout | group_layout | which KAISA groups are consecutive ranks | contiguous_receivers |
-/// | size_t | bucket_bytes | upper bound of one factor-averaging collective's payload | 16 MiB |
-/// | bool | reduce_to_owner | reduce each decomposed factor only to the rank that decomposes it (MPI_Reduce), not to every rank; halves the factor bytes; save() becomes collective | false |
-/// | bool | split_preconditioning | divide each layer's preconditioning among the ranks that hold its decompositions (its gradient workers; every rank under COMM-OPT): each computes a block of the output's rows, then they all-gather them (explicit inverses: one all-gather; eigen: two) | false |
-/// | CommPrecision | comm_precision | payload type of factor averaging | native |
 /// | NonFinitePolicy | nonfinite | raise at once, or skip the step on every rank | raise |
 /// | int | max_damping_retries | decomposition failures retried with more damping | 3 |
 /// | double | damping_retry_factor | damping multiplier of each retry (> 1) | 10 |
 /// | long | decomposition_delay | d: a decomposition due at step s is computed from the statistics of step s (on a second host thread where the backend allows it) and used from step s + d; 0 = at once; at most every layer's inv_update_steps | 0 |
-/// | bool | background_sharing | with decomposition_delay, a decomposition computed on a second thread is also broadcast from it to the layer's other holders as soon as it is done, not at step s + d (needs MPI_THREAD_MULTIPLE on every rank and host memory; otherwise the broadcast stays at step s + d) | true |
-/// | bool | overlap_communication | collectives of a step run as nonblocking ones overlapped with its computation: factor sums with the preconditioning on steps that decompose nothing, each layer's preconditioned-gradient broadcast and split-preconditioning all-gather with the next layer's work (kfac::MpiComm, host memory or a CUDA-aware communicator; the same bits and bytes as the blocking collectives) | true |
 struct Options {
   Hyperparameter<double> lr{0.1};
   Hyperparameter<double> damping{0.001};
@@ -133,20 +111,10 @@ struct Options {
   InitialFactors initial_factors = InitialFactors::batch;
   bool precompute_reciprocal = false;
   std::vector<std::string> skip_layers;
-  double grad_worker_fraction = 1.0;
-  AssignmentCost assignment_cost = AssignmentCost::compute;
-  bool colocate_factors = true;
-  GroupLayout group_layout = GroupLayout::contiguous_receivers;
-  std::size_t bucket_bytes = std::size_t(16) << 20;
-  bool reduce_to_owner = false;
-  bool split_preconditioning = false;
-  CommPrecision comm_precision = CommPrecision::native;
   NonFinitePolicy nonfinite = NonFinitePolicy::raise;
   int max_damping_retries = 3;
   double damping_retry_factor = 10.0;
   long decomposition_delay = 0;
-  bool background_sharing = true;
-  bool overlap_communication = true;
 
   Options& with_lr(Hyperparameter<double> v) { lr = std::move(v); return *this; }
   Options& with_damping(Hyperparameter<double> v) { damping = std::move(v); return *this; }
@@ -158,14 +126,6 @@ struct Options {
   Options& with_initial_factors(InitialFactors f) { initial_factors = f; return *this; }
   Options& with_precompute_reciprocal(bool b) { precompute_reciprocal = b; return *this; }
   Options& with_skip_layers(std::vector<std::string> names) { skip_layers = std::move(names); return *this; }
-  Options& with_grad_worker_fraction(double f) { grad_worker_fraction = f; return *this; }
-  Options& with_assignment_cost(AssignmentCost c) { assignment_cost = c; return *this; }
-  Options& with_colocate_factors(bool b) { colocate_factors = b; return *this; }
-  Options& with_group_layout(GroupLayout g) { group_layout = g; return *this; }
-  Options& with_bucket_bytes(std::size_t b) { bucket_bytes = b; return *this; }
-  Options& with_reduce_to_owner(bool b) { reduce_to_owner = b; return *this; }
-  Options& with_split_preconditioning(bool b) { split_preconditioning = b; return *this; }
-  Options& with_comm_precision(CommPrecision p) { comm_precision = p; return *this; }
   Options& with_nonfinite_policy(NonFinitePolicy p) { nonfinite = p; return *this; }
   Options& with_max_damping_retries(int n) { max_damping_retries = n; return *this; }
   Options& with_decomposition_delay(long d) {
@@ -173,8 +133,6 @@ struct Options {
     decomposition_delay = d;
     return *this;
   }
-  Options& with_background_sharing(bool b) { background_sharing = b; return *this; }
-  Options& with_overlap_communication(bool b) { overlap_communication = b; return *this; }
   Options& with_damping_retry_factor(double f) {
     if (!(f > 1) || !std::isfinite(f)) throw Error("", "damping_retry_factor: expected a finite value > 1");
     damping_retry_factor = f;

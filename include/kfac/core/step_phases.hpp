@@ -151,7 +151,7 @@ class StepPhases {
         averaged.push_back(now[k]);
       }
     }
-    // Options::overlap_communication: when nothing reads the new statistics before the
+    // Kaisa::overlap_communication: when nothing reads the new statistics before the
     // preconditioning is done (no decomposition computed, swapped in or launched at this
     // step), the sums run while precondition() works and complete at its end.
     bool launching = false;
@@ -189,7 +189,7 @@ class StepPhases {
       copy_into(exec_, e.block->checkpoint_state(), shadow.checkpoint_state());
       for (int u : units) copy_into(exec_, e.block->unit_buffers(u), shadow.unit_buffers(u));
     };
-    // Options::background_sharing: every holder takes part in the broadcasts from its thread.
+    // Kaisa::background_sharing: every holder takes part in the broadcasts from its thread.
     const bool background = dist_.holds(l) && e.block->units() > 0 && e.block->decomposes_off_thread() &&
                             dist_.shares_in_background(o_);
     flying_.deferred(l).launch(exec_, e.make_block, fill, std::move(mine), due_[l].values.damping, step_,
@@ -231,9 +231,9 @@ class StepPhases {
   /// Holders precondition their layers; receivers get V from their group's holder. Every rank
   /// first preconditions all of its own layers and only then waits for the broadcasts, so
   /// that under MEM-OPT/HYBRID the ranks' GEMMs overlap instead of taking turns.
-  /// Under Options::split_preconditioning a layer's holders divide its apply by rows and
+  /// Under Kaisa::split_preconditioning a layer's holders divide its apply by rows and
   /// gather the rows after each pass (precondition_split).
-  /// With Options::overlap_communication (Dist::overlaps()) each layer's broadcast starts as
+  /// With Kaisa::overlap_communication (Dist::overlaps()) each layer's broadcast starts as
   /// soon as its V is done (receivers start theirs at once) and the collectives in flight are
   /// advanced after every layer; factor sums in flight (start_average) complete after the
   /// Kronecker layers, before the closed forms, which read their statistics, are applied.
@@ -306,7 +306,7 @@ class StepPhases {
   }
 
   /// What completes a layer's decomposition once its units' broadcasts, left in flight by
-  /// decompose_now() (Options::overlap_communication), have arrived.
+  /// decompose_now() (Kaisa::overlap_communication), have arrived.
   auto finisher() {
     return [this](std::size_t l, double damping) {
       auto& e = reg_[l];

@@ -20,12 +20,8 @@ struct Independent {
   using distribution_tag = void;
   static constexpr const char* name = "independent";
 
-  /// No settings: Options' distribution fields are not read.
-  static Independent from_options(const Options&) { return {}; }
-  static std::vector<std::string> set_in(const Options&) { return {}; }
-
   /// Every part one rank's: this rank alone agrees, holds and decomposes everything, averages
-  /// and shares nothing (Options::overlap_communication and split_preconditioning do nothing).
+  /// and shares nothing.
   template <class Exec, class Comm>
   class State : public impl::LocalAgreement<Comm>,
                 public impl::LocalPlacement,

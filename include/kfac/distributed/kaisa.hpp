@@ -3,8 +3,8 @@
 /// \brief KAISA distribution (Pauloski et al. 2022): statistics averaged over all ranks, each
 /// decomposable unit computed on one rank and shared within its layer's worker group, and
 /// preconditioned gradients sent to the gradient receivers. Gradient-worker fraction 1 is
-/// COMM-OPT, 1/world MEM-OPT, values in between HYBRID (Options::grad_worker_fraction).
-/// With Options::reduce_to_owner a decomposed factor is summed only to its decomposer (as
+/// COMM-OPT, 1/world MEM-OPT, values in between HYBRID (Kaisa::grad_worker_fraction).
+/// With Kaisa::reduce_to_owner a decomposed factor is summed only to its decomposer (as
 /// Osawa et al. 2019 reduce-scatter factors to the ranks that invert them): half the bytes.
 ///
 /// Contract of a distribution policy (see also kfac::Independent): a tag type with
@@ -49,8 +49,8 @@ class KaisaState;
 /// \brief The KAISA distribution policy: an object that holds its settings, e.g.
 /// `kfac::Kaisa{}.with_grad_worker_fraction(0.5).with_reduce_to_owner(true)`, passed to the
 /// Preconditioner's constructor (every rank must pass the same settings; checked at the first
-/// step). kfac 0.2 set them on kfac::Options (same names); a Preconditioner built without a
-/// policy object still reads them there (Kaisa::from_options).
+/// step); without one the Preconditioner uses `Kaisa{}`. kfac 0.2 set them on kfac::Options
+/// (same names); since 0.3 this object is their only home.
 ///
 /// | type | name | description | default |
 /// |---|---|---|---|
@@ -102,39 +102,6 @@ struct Kaisa {
     placement_name = std::move(name);
     placement = std::move(placer);
     return *this;
-  }
-
-  /// The settings kfac 0.2 read from Options' fields of the same names.
-  static Kaisa from_options(const Options& o) {
-    Kaisa k;
-    k.grad_worker_fraction = o.grad_worker_fraction;
-    k.assignment_cost = o.assignment_cost;
-    k.colocate_factors = o.colocate_factors;
-    k.group_layout = o.group_layout;
-    k.bucket_bytes = o.bucket_bytes;
-    k.reduce_to_owner = o.reduce_to_owner;
-    k.split_preconditioning = o.split_preconditioning;
-    k.comm_precision = o.comm_precision;
-    k.background_sharing = o.background_sharing;
-    k.overlap_communication = o.overlap_communication;
-    return k;
-  }
-  /// The names of the settings `o` changes from their defaults (a policy object given as well
-  /// would leave them unread: the Preconditioner refuses that).
-  static std::vector<std::string> set_in(const Options& o) {
-    const Kaisa d, k = from_options(o);
-    std::vector<std::string> v;
-    if (k.grad_worker_fraction != d.grad_worker_fraction) v.push_back("grad_worker_fraction");
-    if (k.assignment_cost != d.assignment_cost) v.push_back("assignment_cost");
-    if (k.colocate_factors != d.colocate_factors) v.push_back("colocate_factors");
-    if (k.group_layout != d.group_layout) v.push_back("group_layout");
-    if (k.bucket_bytes != d.bucket_bytes) v.push_back("bucket_bytes");
-    if (k.reduce_to_owner != d.reduce_to_owner) v.push_back("reduce_to_owner");
-    if (k.split_preconditioning != d.split_preconditioning) v.push_back("split_preconditioning");
-    if (k.comm_precision != d.comm_precision) v.push_back("comm_precision");
-    if (k.background_sharing != d.background_sharing) v.push_back("background_sharing");
-    if (k.overlap_communication != d.overlap_communication) v.push_back("overlap_communication");
-    return v;
   }
 
   /// The per-preconditioner state the policy builds (impl::KaisaState).
@@ -189,7 +156,7 @@ class KaisaState {
     if constexpr (impl::has_nonblocking<Comm>::value)
       overlap_ = o.overlap_communication && comm_.size() > 1 && (impl::host_accessible_v<Exec> || comm_.device_aware());
   }
-  /// Options::overlap_communication applies to gradient broadcasts and all-gathers (set by plan()).
+  /// Kaisa::overlap_communication applies to gradient broadcasts and all-gathers (set by plan()).
   bool overlaps() const { return overlap_; }
   /// ... and to factor sums: host memory only (the payload conversions and the sums of a
   /// bucket run where MPI can read them without a staging copy).
@@ -327,7 +294,7 @@ class KaisaState {
     }
     return started;
   }
-  /// Options::background_sharing applies: several ranks, host memory, and a communicator
+  /// Kaisa::background_sharing applies: several ranks, host memory, and a communicator
   /// with MPI_THREAD_MULTIPLE on every rank (the same answer on every rank).
   bool shares_in_background(const Options&) const {
     bool on = false;
@@ -381,7 +348,7 @@ class KaisaState {
   /// True when some layer's gradient travels (a fence is needed before the broadcasts).
   bool shares_gradients() const { return assignment_.grad_workers() != comm_.size(); }
   /// Split preconditioning: the ranks that divide layer l's preconditioning among them, its
-  /// worker group under Options::split_preconditioning (every rank under COMM-OPT), else 1.
+  /// worker group under Kaisa::split_preconditioning (every rank under COMM-OPT), else 1.
   int split_parts(const Options&, std::size_t l) const {
     return k_.split_preconditioning && comm_.size() > 1 && units_.at(l) > 0 ? assignment_.grad_workers() : 1;
   }

@@ -107,7 +107,7 @@ class MpiComm {
   std::size_t bytes_sent() const { return state_->bytes; }
   void reset_bytes() { state_->bytes = 0; }
   /// True when MPI provides MPI_THREAD_MULTIPLE on every rank (agreed when this object was
-  /// made): kfac may then broadcast from a background thread (Options::background_sharing).
+  /// made): kfac may then broadcast from a background thread (Kaisa::background_sharing).
   bool thread_multiple() const { return state_->multiple; }
 
   double allreduce_sum(double v) const {

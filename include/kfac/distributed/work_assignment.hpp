@@ -25,7 +25,18 @@
 #include "kfac/error.hpp"
 
 namespace kfac {
+/// \brief The cost a greedy assignment balances.
+enum class AssignmentCost { compute, memory };
 
+/// \brief How KAISA's rank grid is laid out: worker groups (the gw ranks that share a layer's
+/// decompositions, every inv_update_steps) and receiver groups (one member of every worker
+/// group; they share preconditioned gradients every step under HYBRID/MEM-OPT).
+///
+/// `contiguous_receivers` (default, as kfac-pytorch): receiver group j is the consecutive ranks
+/// j W/gw ... (j+1) W/gw - 1 and worker groups are strided, so with node-major rank numbering the
+/// every-step gradient broadcasts stay inside a node and only the rarer decomposition broadcasts
+/// cross nodes. `contiguous_workers` (kfac 0.1): worker groups are consecutive ranks.
+enum class GroupLayout { contiguous_receivers, contiguous_workers };
 
 /// \brief The question a placement answers: the groups exist (world / grad_workers worker
 /// groups of grad_workers ranks, member j of group k being rank_of(k, j)); each layer gets a

@@ -396,11 +396,13 @@ class CostModel {
   const MachineFigures& machine() const { return machine_; }
 
   /// \param world [in] number of ranks.
-  /// \param options [in] the Preconditioner's options; the distribution's settings are read
-  ///        from them as a Preconditioner built without a policy object reads them.
+  /// \param options [in] the Preconditioner's options, with KAISA's default settings.
   CostPrediction predict(int world, const Options& options = Options{}) const {
-    return predict(world, options, Kaisa::from_options(options));
+    return predict(world, options, Kaisa{});
   }
+  /// \param world [in] number of ranks.
+  /// \param policy [in] the kfac::Kaisa policy object, with default Options.
+  CostPrediction predict(int world, const Kaisa& policy) const { return predict(world, Options{}, policy); }
   /// \param world [in] number of ranks.
   /// \param options [in] the Preconditioner's options (numerics and schedule).
   /// \param policy [in] the kfac::Kaisa policy object passed to the Preconditioner (its
@@ -448,9 +450,9 @@ class CostModel {
     return p;
   }
 
-  /// Shorthand: default options with gradient-worker fraction `fraction`.
+  /// Shorthand: default options and KAISA with gradient-worker fraction `fraction`.
   CostPrediction predict(int world, double fraction) const {
-    return predict(world, Options{}.with_grad_worker_fraction(fraction));
+    return predict(world, Options{}, Kaisa{}.with_grad_worker_fraction(fraction));
   }
 
  private:

@@ -70,7 +70,7 @@ class EmbeddingBlock final : public impl::Block<Scalar, Exec> {
   /// \brief Unit 0, "G": the eigendecomposition of diag(A) ⊗ G, that is G's (kfac::Eigendecomposition's
   /// factorization) and diag(A) itself, copied when G is decomposed. The apply reads only the
   /// unit, as every block with units does: the statistics may still be being averaged while it
-  /// runs (Options::overlap_communication), and A and G are those of one decomposition step,
+  /// runs (Kaisa::overlap_communication), and A and G are those of one decomposition step,
   /// as K-FAC's factors are.
   class GUnit final : public impl::UnitState<Exec> {
    public:
