@@ -30,8 +30,9 @@
 namespace kfac {
 namespace impl {
 
-// One detection trait per member: KFAC_IMPL_MEMBER(trait, expression in S, E (the execution
-// space) and R (S::request_type)).
+/// \cond
+// One detection trait per member: KFAC_IMPL_MEMBER(trait, expression in S (the State) and E (the
+// execution space)). Not for doxygen, which cannot parse the macro calls.
 #define KFAC_IMPL_MEMBER(trait, expression)                                              \
   template <class S, class E, class = void>                                              \
   struct trait : std::false_type {};                                                     \
@@ -87,6 +88,7 @@ KFAC_IMPL_MEMBER(has_gather_rows, typename S::request_type(std::declval<S&>().ga
                                       std::size_t(), std::declval<const Buffer&>(), index_t())))
 
 #undef KFAC_IMPL_MEMBER
+/// \endcond
 
 /// Instantiated by the Preconditioner for its policy's State on execution space Exec: one
 /// static_assert per member of the contract above, each naming the member and its part.
