@@ -28,6 +28,7 @@
 #include "kfac/core/in_flight.hpp"
 #include "kfac/core/options.hpp"
 #include "kfac/core/bucketing.hpp"
+#include "kfac/distributed/parts.hpp"
 #include "kfac/distributed/staging.hpp"
 #include "kfac/distributed/work_assignment.hpp"
 #include "kfac/error.hpp"
@@ -111,16 +112,19 @@ struct Kaisa {
 
 namespace impl {
 
-/// \brief Kaisa's state on one rank: the assignment, the groups and the collectives.
+/// \brief Kaisa's state on one rank: the assignment, the groups and the collectives; the
+/// agreement part (comm, check_same, agree_max, share_message, agreement_size) is every rank's,
+/// impl::WorldAgreement.
 template <class Exec, class Comm>
-class KaisaState {
+class KaisaState : public WorldAgreement<Comm> {
+  using WorldAgreement<Comm>::comm_;
+
  public:
   using memory_space = typename Exec::memory_space;
   using request_type = impl::request_of_t<Comm>;  ///< what a started collective returns
-  KaisaState(const Kaisa& settings, Comm comm) : k_(settings), comm_(std::move(comm)) {}
+  KaisaState(const Kaisa& settings, Comm comm) : WorldAgreement<Comm>(std::move(comm)), k_(settings) {}
   const Kaisa& settings() const { return k_; }
 
-  const Comm& comm() const { return comm_; }
   /// The settings every rank must share.
   std::string signature(const Options&) const {
     return "kaisa:f=" + std::to_string(k_.grad_worker_fraction) +
@@ -131,8 +135,6 @@ class KaisaState {
            ";ov=" + std::to_string(int(k_.overlap_communication)) + ";b=" + std::to_string(k_.bucket_bytes) + ";" +
            (k_.placement_name.empty() ? "" : "pl=" + k_.placement_name + ";");
   }
-  /// Collective: true on every rank when every rank passed the same signature.
-  bool check_same(const std::string& sig) const { return comm_.all_equal(sig); }
 
   /// Collective: assigns layers to worker groups and units to ranks, and (once) makes the
   /// worker and receiver groups. `costs[l]` has one entry per unit of layer l (none for
@@ -168,12 +170,6 @@ class KaisaState {
     return units_.at(l) == 0 || assignment_.is_grad_worker(l, comm_.rank());
   }
   bool computes(std::size_t l, int u) const { return assignment_.decomposer(l, u) == comm_.rank(); }
-  /// Max over the ranks that share a decision (here: all).
-  long agree_max(long v) const { return comm_.allreduce_max(v); }
-  void agree_max(long* v, int n) const { comm_.allreduce_max(v, n); }
-  /// Ranks that take part in the agreement at the top of a step (all).
-  int agreement_size() const { return comm_.size(); }
-  std::string share_message(const std::string& s, int root) const { return comm_.broadcast_string(s, root); }
 
   /// True when a reduced-precision payload narrower than `scalar_size` is in use: the
   /// statistics then travel as increments (FactorBuffer::base).
@@ -432,7 +428,6 @@ class KaisaState {
   }
 
   Kaisa k_;
-  Comm comm_;
   WorkAssignment assignment_;
   std::vector<int> units_;
   bool groups_made_ = false;

@@ -2,9 +2,9 @@
 /// \file parts.hpp
 /// \brief Default parts of a distribution policy's state (the contract of
 /// core/distribution_contract.hpp), to derive from for the parts a strategy does not vary:
-/// kfac::Independent is all of them; a strategy that, say, only averages factors derives from
-/// WorldAgreement, LocalPlacement, NoDecompositionSharing and NoGradientSharing and writes
-/// its averaging and signature() (tests/test_mpi_replicated.cpp).
+/// kfac::Independent is all of them, KAISA's state takes WorldAgreement; a strategy that, say,
+/// only averages factors derives from WorldAgreement, LocalPlacement, NoDecompositionSharing and
+/// NoGradientSharing and writes its averaging and signature() (tests/test_mpi_replicated.cpp).
 
 #include <cmath>
 #include <string>
