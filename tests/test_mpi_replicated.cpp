@@ -52,12 +52,12 @@ struct Replicated {
         }
       }
     }
-    std::vector<request_type> start_average(const Exec& exec, const std::vector<kfac::impl::FactorBuffer>& all,
-                                            const kfac::Options& o) {
+    kfac::impl::StartedSums<request_type> start_average(const Exec& exec,
+                                                        const std::vector<kfac::impl::FactorBuffer>& all,
+                                                        const kfac::Options& o) {
       average(exec, all, o);
       return {};
     }
-    void finish_average(const Exec&) {}
     bool overlaps() const { return false; }
     bool sends_increments(const kfac::Options&, std::size_t) const { return false; }
     double payload_max(const kfac::Options&) const { return HUGE_VAL; }

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "kfac/checkpoint/serializer.hpp"
+#include "kfac/checkpoint/collective.hpp"
 #include "kfac/core/agreement.hpp"
 #include "kfac/core/any_layer.hpp"
 #include "kfac/core/distribution_contract.hpp"
@@ -45,15 +45,7 @@ namespace kfac {
 template <class Scalar = double, class Exec = Kokkos::DefaultExecutionSpace,
           class Comm = SerialComm, class Distribution = Kaisa>
 class Preconditioner {
-  static_assert(Kokkos::is_execution_space<Exec>::value,
-                "kfac::Preconditioner<Scalar, Exec, Comm, Distribution>: Exec must be a Kokkos execution space "
-                "(Kokkos::DefaultExecutionSpace, Kokkos::DefaultHostExecutionSpace, Kokkos::Serial, ...); a memory "
-                "space such as Kokkos::HostSpace says where data lives, not where kernels run");
-  static_assert(std::is_floating_point<Scalar>::value,
-                "kfac::Preconditioner<Scalar, ...>: Scalar is the type of the framework's observations and "
-                "gradients: float or double");
-  static_assert(is_communicator_v<Comm>, "kfac::Preconditioner: Comm must be a communicator (kfac::SerialComm, kfac::MpiComm)");
-  static_assert(is_distribution_v<Distribution>, "kfac::Preconditioner: Distribution must be kfac::Kaisa or kfac::Independent");
+  static_assert(impl::PreconditionerArguments<Scalar, Exec, Comm, Distribution>::ok);  // each checked by name
   using entry_type = impl::Entry<Scalar, Exec>;
 
  public:
@@ -87,17 +79,7 @@ class Preconditioner {
   /// \brief Registers a layer and method whose types a front end chose at run time
   /// (impl::any_layer(layer, method); the PyTorch adapters' kinds), with the same checks.
   void register_layer(const std::string& name, const impl::AnyLayer<Scalar, Exec>& layer) {
-    try {  // the layer's own settings, checked now rather than at its first step()
-      layer.overrides.values_at(options_, step_);
-    } catch (const Error& e) {
-      throw impl::about_layer(name, e);
-    }
-    for (const auto& e : reg_.entries())
-      if (e.block->name() == name) throw Error(name, "a layer with this name is already registered");
-    impl::allocating(name, "register_layer", [&] {
-      reg_.add([make = layer.make, name] { return make(name); }, layer.overrides, skipped(name, layer.kind.c_str()),
-               step_);
-    });
+    impl::add_layer(reg_, name, layer, options_, step_);
     // The new layer gets statistics and a decomposition at the next step, and so does every
     // layer (the work assignment changes, and ranks must agree on what is due).
     everything_due_at(step_);
@@ -123,17 +105,11 @@ class Preconditioner {
   }
 
   /// \brief True on steps that update some layer's statistics (observations are used only then).
-  bool wants_observations() const {
-    for (const auto& e : reg_.entries()) if (factor_due(e)) return true;
-    return reg_.size() == 0;
-  }
+  bool wants_observations() const { return reg_.size() == 0 || reg_.any_due(step_, true); }
   /// \brief True when this step updates the statistics of layer `name`.
   bool wants_observations(const std::string& name) const { return factor_due(reg_.at(name)); }
   /// \brief True when this step() will recompute some decomposition.
-  bool will_decompose() const {
-    for (const auto& e : reg_.entries()) if (step_ >= e.schedule.next_inv) return true;
-    return false;
-  }
+  bool will_decompose() const { return reg_.any_due(step_, false); }
   long step_count() const { return step_; }
   /// \brief Steps at which some layer's statistics / decompositions were last updated (-1: never).
   long last_factor_step() const { return last_factor_step_; }
@@ -141,11 +117,7 @@ class Preconditioner {
   const Options& options() const { return options_; }
   const Exec& execution_space_instance() const { return exec_; }
   const Comm& communicator() const { return dist_.comm(); }
-  std::vector<std::string> layer_names() const {
-    std::vector<std::string> v;
-    for (const auto& e : reg_.entries()) v.push_back(e.block->name());
-    return v;
-  }
+  std::vector<std::string> layer_names() const { return reg_.names(); }
 
   /// \brief The activations entering a layer: (batch, in) or (batch, tokens, in) for Dense,
   /// (N, C, H, W) for Conv2d, the normalized input xhat for BatchNorm2d. Row-major (LayoutRight)
@@ -153,31 +125,16 @@ class Preconditioner {
   template <class View>
   void observe_input(const std::string& name, const View& x) {
     auto& e = reg_.at(name);
-    auto t = impl::as_tensor<Scalar, Exec>(name, x, "input");
-    impl::fail_if(name, e.block->check_input(impl::extents_of(t, int(View::rank))));
-    if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
-    if (!factor_due(e) || e.skipped || e.poisoned) return;  // a poisoned layer ignores the rest of its step
-    if (impl::check_finite(exec_, options_, name, t, "input"))
-      impl::allocating(name, "observe_input", [&] { e.block->observe_input(exec_, t, int(View::rank)); });
-    else poisoned_ = e.poisoned = true;
+    const auto t = impl::as_tensor<Scalar, Exec>(name, x, "input");
+    if (!impl::take_input(exec_, options_, e, t, int(View::rank), factor_due(e))) poisoned_ = true;
   }
   /// \brief The gradient of the loss with respect to the layer's output (pre-activation),
   /// as the host framework computed it for the reduced loss (see Options::loss_reduction).
   template <class View>
   void observe_output_grad(const std::string& name, const View& g) {
     auto& e = reg_.at(name);
-    auto t = impl::as_tensor<Scalar, Exec>(name, g, "output gradient");
-    if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
-    if (!factor_due(e) || e.skipped || e.poisoned) {  // not used: its shape is still checked, by the layer
-      impl::fail_if(name, e.block->observations().check_output_grad_alone(impl::extents_of(t, int(View::rank))));
-      return;
-    }
-    impl::fail_if(name, e.block->check_output_grad(impl::extents_of(t, int(View::rank))));
-    if (!impl::check_finite(exec_, options_, name, t, "output gradient")) return void(poisoned_ = e.poisoned = true);
-    impl::allocating(name, "observe_output_grad", [&] {
-      const double scale = options_.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0;
-      e.block->observe_output_grad(exec_, t, scale, int(View::rank));
-    });
+    const auto t = impl::as_tensor<Scalar, Exec>(name, g, "output gradient");
+    if (!impl::take_output_grad(exec_, options_, e, t, int(View::rank), factor_due(e))) poisoned_ = true;
   }
   /// \brief The gradient to precondition in place at the next step(): the weight gradient
   /// (out, in) or, for Conv2d, (O, C, kh, kw); and the bias gradient (out), or an empty view
@@ -206,7 +163,8 @@ class Preconditioner {
       const double payload_max = dist_.payload_max(options_);
       mine.poisoned = poisoned_ || (options_.nonfinite == NonFinitePolicy::skip && impl::nonfinite_step(reg_, due, exec_, payload_max));
       impl::validate_step(reg_, due, options_, exec_, step_, mine.poisoned, payload_max);
-      check_skip_layers();
+      impl::check_skip_layers(options_, reg_,
+                              {Dense::kind, Conv2d::kind, BatchNorm2d::kind, LayerNorm::kind, Parameter::kind});
       mine.settings = impl::settings_hash(v, due);
     } catch (const Error& e) {
       mine.error = e;
@@ -238,13 +196,7 @@ class Preconditioner {
     if (!dist_.check_same(sig))
       throw Error("", "ranks registered different layers, shapes, policies or distribution "
                       "options (rank " + std::to_string(communicator().rank()) + " has: " + sig + ")");
-    impl::share_owned_factors(exec_, reg_, dist_, options_, dist_.assignment().layers());  // owners may change
-    std::vector<std::vector<impl::UnitCost>> costs(reg_.size());
-    for (std::size_t l = 0; l < reg_.size(); ++l)
-      for (int u = 0; !reg_[l].skipped && u < reg_[l].block->units(); ++u) costs[l].push_back(reg_[l].block->unit_cost(u));
-    dist_.plan(options_, costs);
-    for (std::size_t l = 0; l < reg_.size(); ++l)
-      if (!dist_.holds(l)) { reg_[l].block->release_units(); reg_[l].decomposed = false; }
+    impl::assign_work(exec_, reg_, dist_, options_);
     registration_checked_ = true;
   }
   /// \brief The distribution policy in use, with its settings.
@@ -262,10 +214,8 @@ class Preconditioner {
   void save(std::ostream& os, bool with_decompositions = true) const {
     [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::save at step ", step_,
                                                              " (collective with reduce_to_owner: every rank calls it)");
-    impl::share_owned_factors(exec_, reg_, dist_, options_, dist_.assignment().layers());
-    const long counters[3] = {step_, last_factor_step_, last_inv_step_};
-    impl::save_checkpoint(os, reg_, in_flight_.snapshot(), counters, communicator().size(), communicator().rank(),
-                          with_decompositions);
+    impl::save_state(os, exec_, reg_, dist_, in_flight_, options_, {step_, last_factor_step_, last_inv_step_},
+                     with_decompositions);
   }
   /// \brief Restores a state written by save() (format version 2, or 1 from kfac 0.1). Checks
   /// everything first and changes nothing if any check fails. Statistics restore at any world
@@ -276,48 +226,22 @@ class Preconditioner {
   /// true when the decompositions were restored.
   bool load(std::istream& is) {
     [[maybe_unused]] const auto scope = impl::comm_scope(communicator(), "Preconditioner::load (collective)");
-    impl::CheckpointPlan cp;
-    std::optional<Error> refused;
-    try {
-      cp = impl::parse_checkpoint(is, reg_);
-    } catch (const Error& e) {
-      refused = e;
-    }
-    if (!registration_checked_) check_registration();  // collective, like the rest of load()
-    const bool mine = !refused && impl::decompositions_fit(cp, reg_, communicator().size(), communicator().rank(),
-                                                           [&](std::size_t l) { return dist_.holds(l); });
-    // One collective: the verdict, and whether every rank loaded the same replicated content.
-    const int world = dist_.agreement_size();
-    const std::uint64_t content = refused || world == 1 ? 0 : impl::replicated_hash(cp, reg_);
-    long v[3] = {refused ? 2L : mine ? 0L : 1L, 0, 0};
-    impl::put_same_pair(v + 1, long(content));
-    if (world > 1) dist_.agree_max(v, 3);
-    const long verdict = v[0];
-    if (refused) throw *refused;
-    if (verdict == 2) throw Error("", "another rank refused its checkpoint; nothing was loaded");
-    if (world > 1 && !impl::same_on_every_rank(v + 1)) throw impl::content_differs(dist_, content, communicator().rank(), world);
-    const bool restored =
-        impl::apply_checkpoint(cp, reg_, in_flight_, verdict == 0, exec_, options_.precompute_reciprocal);
-    step_ = cp.counters[0];
-    last_factor_step_ = cp.counters[3];
-    last_inv_step_ = cp.counters[4];
+    const impl::Loaded got = impl::load_state(is, exec_, reg_, dist_, in_flight_, options_, [&] {
+      if (!registration_checked_) check_registration();  // collective, like the rest of load()
+    });
+    step_ = got.counters.step;
+    last_factor_step_ = got.counters.last_factor;
+    last_inv_step_ = got.counters.last_inv;
     poisoned_ = false;
-    fresh_ = verdict != 0;  // decompositions restored everywhere: deferred ones resume in flight
-    return restored;
+    fresh_ = !got.everywhere;  // decompositions restored everywhere: deferred ones resume in flight
+    return got.decompositions;
   }
 
   /// \brief The KL-clip scale applied by the last step().
   double last_kl_scale() const { return last_nu_; }
   /// \brief Memory held per layer (the shadow block of a deferred decomposition in
   /// workspace_bytes).
-  std::vector<MemoryReport> memory_report() const {
-    std::vector<MemoryReport> r;
-    for (std::size_t l = 0; l < reg_.size(); ++l) {
-      r.push_back(reg_[l].block->memory());
-      r.back().workspace_bytes += in_flight_.bytes(l);
-    }
-    return r;
-  }
+  std::vector<MemoryReport> memory_report() const { return impl::memory_report(reg_, in_flight_); }
   /// \brief The block of a layer, for inspection. Throws if unknown.
   const block_type& layer(const std::string& name) const { return *reg_.at(name).block; }
   /// \brief Typed access, e.g. `pre.layer_as<KFAC<>::block_type<Dense, double, Host>>("fc1").factor_a()`.
@@ -336,10 +260,7 @@ class Preconditioner {
   /// Statistics and a decomposition for every layer at `step` at the latest; decompositions in
   /// flight are dropped, and the next ones run at once.
   void everything_due_at(long step) {
-    for (auto& e : reg_.entries()) {
-      e.schedule.next_factor = std::min(e.schedule.next_factor, step);
-      e.schedule.next_inv = std::min(e.schedule.next_inv, step);
-    }
+    reg_.everything_due_at(step);
     in_flight_.drop_all();
     fresh_ = true;
   }
@@ -351,21 +272,11 @@ class Preconditioner {
   }
 
   void skip_step() {
-    for (auto& e : reg_.entries()) {
-      e.block->clear_observations();
-      e.clear_gradient();
-      e.poisoned = false;
-    }
+    reg_.forget_step();
     poisoned_ = false;
     ++skipped_steps_;
     ++step_;
   }
-
-  void check_skip_layers() const {
-    impl::check_skip_layers(options_, reg_,
-                            {Dense::kind, Conv2d::kind, BatchNorm2d::kind, LayerNorm::kind, Parameter::kind});
-  }
-  bool skipped(const std::string& name, const char* kind) const { return impl::skip_listed(options_, name, kind); }
   Options options_;
   Exec exec_;
   Distribution policy_;

@@ -9,7 +9,7 @@
 /// |---|---|---|
 /// | agreement | `comm()`, `signature(o)`, `check_same(sig)`, `agree_max(v)`, `agree_max(v, n)`, `share_message(s, root)`, `agreement_size()` | `LocalAgreement` (this rank alone) or `WorldAgreement` (every rank of the communicator) |
 /// | placement | `plan(o, costs)`, `assignment()`, `holds(l)`, `computes(l, u)` | `LocalPlacement`: this rank holds and decomposes everything |
-/// | factor averaging | `average(exec, all, o)`, `start_average(exec, all, o)`, `finish_average(exec)`, `overlaps()`, `sends_increments(o, scalar_size)`, `payload_max(o)`, `factor_owner(o, l, u)`, `share_factors(exec, all)` | `NoFactorAveraging` |
+/// | factor averaging | `average(exec, all, o)`, `start_average(exec, all, o)`, `overlaps()`, `sends_increments(o, scalar_size)`, `payload_max(o)`, `factor_owner(o, l, u)`, `share_factors(exec, all)` | `NoFactorAveraging` |
 /// | decomposition sharing | `share_unit(l, u, buffers)`, `shares_in_background(o)`, `background_sharer(l)`, `count_background(sent)` | `NoDecompositionSharing` |
 /// | gradient sharing | `share_gradient(l, buffer)`, `shares_gradients()`, `split_parts(o, l)`, `split_part(l)`, `gather_rows(l, buffer, rows)` | `NoGradientSharing` |
 ///
@@ -26,6 +26,7 @@
 #include "kfac/core/block.hpp"
 #include "kfac/core/buffer.hpp"
 #include "kfac/core/options.hpp"
+#include "kfac/core/started.hpp"
 
 namespace kfac {
 namespace impl {
@@ -58,10 +59,9 @@ KFAC_IMPL_MEMBER(has_average, std::declval<S&>().average(std::declval<const E&>(
                                                          std::declval<const std::vector<FactorBuffer>&>(),
                                                          std::declval<const Options&>()))
 KFAC_IMPL_MEMBER(has_start_average,
-                 std::vector<typename S::request_type>(std::declval<S&>().start_average(
+                 StartedSums<typename S::request_type>(std::declval<S&>().start_average(
                      std::declval<const E&>(), std::declval<const std::vector<FactorBuffer>&>(),
                      std::declval<const Options&>())))
-KFAC_IMPL_MEMBER(has_finish_average, std::declval<S&>().finish_average(std::declval<const E&>()))
 KFAC_IMPL_MEMBER(has_overlaps, bool(std::declval<const S&>().overlaps()))
 KFAC_IMPL_MEMBER(has_sends_increments,
                  bool(std::declval<const S&>().sends_increments(std::declval<const Options&>(), std::size_t())))
@@ -124,10 +124,8 @@ struct DistributionContract {
                 "kfac distribution State (factor averaging): needs `void average(const Exec&, const std::vector<impl::"
                 "FactorBuffer>&, const Options&)`");
   static_assert(has_start_average<S, Exec>::value,
-                "kfac distribution State (factor averaging): needs `std::vector<request_type> start_average(const Exec&, "
-                "const std::vector<impl::FactorBuffer>&, const Options&)`");
-  static_assert(has_finish_average<S, Exec>::value,
-                "kfac distribution State (factor averaging): needs `void finish_average(const Exec&)`");
+                "kfac distribution State (factor averaging): needs `impl::StartedSums<request_type> start_average("
+                "const Exec&, const std::vector<impl::FactorBuffer>&, const Options&)`");
   static_assert(has_overlaps<S, Exec>::value, "kfac distribution State (factor averaging): needs `bool overlaps() const`");
   static_assert(has_sends_increments<S, Exec>::value,
                 "kfac distribution State (factor averaging): needs `bool sends_increments(const Options&, std::size_t "

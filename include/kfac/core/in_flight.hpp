@@ -1,12 +1,14 @@
 #pragma once
 /// \file in_flight.hpp
-/// \brief The one owner of work in flight: decompositions computed off the critical path
-/// (DeferredDecomposition, one per layer that has launched one), the collectives started by
-/// the distribution (factor sums, gradient broadcasts and all-gathers, unit broadcasts), and
-/// the layers whose decomposition waits for its units' broadcasts (the settle list). Every
-/// completion of kfac's in-flight work is in this file: a started collective's `wait()`, a
-/// deferred decomposition's future; the MPI requests themselves are completed by the
-/// transport's one polling loop (impl::Watchdog::wait).
+/// \brief The one owner of a Preconditioner's work in flight: decompositions computed off the
+/// critical path (DeferredDecomposition, one per layer that has launched one), the collectives
+/// started by the distribution (factor sums with their broadcasts still to start and the
+/// write-back of the averages, gradient broadcasts and all-gathers, unit broadcasts), and the
+/// layers whose decomposition waits for its units' broadcasts (the settle list). Every
+/// completion of kfac's in-flight work is in this file and in started.hpp (the started
+/// collectives, which impl::Pipeline also keeps its transfers in): a started collective's
+/// `wait()`, a deferred decomposition's future; the MPI requests themselves are completed by
+/// the transport's one polling loop (impl::Watchdog::wait).
 ///
 /// **Deferred decompositions** (Options::decomposition_delay = d >= 1): a
 /// decomposition due at step s is computed from the statistics of step s into a shadow copy of
@@ -26,10 +28,16 @@
 /// decompositions reach every holder before step s + d, which then only copies them in.
 ///
 /// **Started collectives** (Kaisa::overlap_communication) are kept in the order they were
-/// started. The one ordering rule: a sum to every rank is a reduce followed by a broadcast
-/// that starts only when the reduce is complete, and every rank must start those broadcasts
-/// in the same order; InFlight::progress() and InFlight::complete() let a sum start its
-/// broadcast only when every sum started before it has started its own.
+/// started, with what is still to start after them and what finishes them: InFlight holds a
+/// started factor sum's broadcast until it may start (StartedSum) and the write-back of the
+/// averages (StartedSums), so neither the communicator's requests nor the distribution's state
+/// hold work in flight. The one ordering rule: a sum to every rank is a reduce followed by a
+/// broadcast that starts only when the reduce is complete, and every rank must start those
+/// broadcasts in the same order; InFlight starts a sum's broadcast only when every sum started
+/// before it has started its own.
+///
+/// StartedCollectives, the part that holds started collectives, is also what an
+/// impl::Pipeline keeps its stage transfers in.
 
 #include <exception>
 #include <functional>
@@ -41,6 +49,7 @@
 
 #include "kfac/core/backup.hpp"
 #include "kfac/core/block.hpp"
+#include "kfac/core/started.hpp"
 
 namespace kfac {
 namespace impl {
@@ -172,8 +181,7 @@ struct has_nonblocking<C, std::void_t<typename C::request_type>> : std::true_typ
 /// Comm::request_type's stand-in for a communicator without nonblocking collectives: always
 /// complete.
 struct NoRequest {
-  bool test(bool = true) { return true; }
-  bool holds_back() const { return false; }
+  bool test() { return true; }
   void wait() {}
 };
 template <class C, bool = has_nonblocking<C>::value>
@@ -184,23 +192,9 @@ struct request_of<C, true> { using type = typename C::request_type; };
 template <class C>
 using request_of_t = typename request_of<C>::type;
 
-/// Completes every request of `rs`, in order, and empties it (a Pipeline step's transfers).
-template <class Request>
-void complete_all(std::vector<Request>& rs) {
-  for (auto& r : rs) r.wait();
-  rs.clear();
-}
-
-/// What a started collective is, and so which completion waits for it.
-enum class Started {
-  sum,       ///< a bucket of factor sums (completed together, then written back)
-  gradient,  ///< a preconditioned gradient's broadcast or a divided layer's all-gather
-  unit,      ///< a decomposed unit's broadcast within its layer's worker group
-};
-
 /// \brief The work in flight of one Preconditioner (see the file's description).
-/// \tparam Request the communicator's request type (impl::request_of_t<Comm>): `test(bool
-/// may_start)`, `holds_back()`, `wait()`; a default-constructed one is complete.
+/// \tparam Request the communicator's request type (impl::request_of_t<Comm>): `test()`,
+/// `wait()`; a default-constructed one is complete.
 template <class Scalar, class Exec, class Request>
 class InFlight {
  public:
@@ -254,41 +248,28 @@ class InFlight {
   // ---- started collectives ----
 
   /// Keeps a started collective until it is completed.
-  void add(Started kind, std::size_t layer, Request r) { started_.push_back({kind, layer, std::move(r)}); }
-  void add(Started kind, std::size_t layer, std::vector<Request> rs) {
-    for (auto& r : rs) add(kind, layer, std::move(r));
-  }
-  /// Keeps started factor sums; `then` runs once they are all complete (it writes the averages
-  /// back: until then the factors must be neither read nor written).
-  void add_sums(std::vector<Request> sums, std::function<void()> then) {
-    if (sums.empty()) return;
-    add(Started::sum, 0, std::move(sums));
-    after_sums_ = std::move(then);
+  void add(Started kind, std::size_t layer, Request r) { started_.add(kind, layer, std::move(r)); }
+  void add(Started kind, std::size_t layer, std::vector<Request> rs) { started_.add(kind, layer, std::move(rs)); }
+  /// Keeps started factor sums; their write-back runs once they are all complete (until then
+  /// the factors must be neither read nor written).
+  void add_sums(StartedSums<Request> sums) {
+    if (sums.sums.empty()) return;
+    for (auto& s : sums.sums) started_.add(std::move(s));
+    after_sums_ = sums.write_back ? std::move(sums.write_back) : [] {};
   }
   /// True while factor sums are in flight.
   bool averaging() const { return bool(after_sums_); }
-  /// Advances every started collective (MPI moves data only inside its calls), in the order
-  /// they were started; a sum may start its broadcast only after the sums before it.
-  void progress() {
-    bool may_start = true;
-    for (auto& s : started_) {
-      if (s.kind != Started::sum) {
-        s.request.test();
-        continue;
-      }
-      s.request.test(may_start);
-      may_start = may_start && !s.request.holds_back();
-    }
-  }
+  /// Advances every started collective, in the order they were started.
+  void progress() { started_.progress(); }
   /// Completes the factor sums (in the order they were started) and writes the averages back.
   void complete_sums() {
-    complete_where([](const Item& s) { return s.kind == Started::sum; });
+    started_.complete_where([](Started k, std::size_t) { return k == Started::sum; });
     if (after_sums_) std::exchange(after_sums_, nullptr)();
   }
   /// Completes the gradient broadcasts and all-gathers, then every unit broadcast.
   void complete_sharing() {
-    complete_where([](const Item& s) { return s.kind == Started::gradient; });
-    complete_where([](const Item& s) { return s.kind == Started::unit; });
+    started_.complete_where([](Started k, std::size_t) { return k == Started::gradient; });
+    started_.complete_where([](Started k, std::size_t) { return k == Started::unit; });
   }
 
   // ---- the settle list: decompositions waiting for their units' broadcasts ----
@@ -303,7 +284,7 @@ class InFlight {
   void settle(std::size_t l, Finish&& finish) {
     if (l >= unsettled_.size() || unsettled_[l] < 0) return;
     const double damping = std::exchange(unsettled_[l], -1.0);
-    complete_where([l](const Item& s) { return s.kind == Started::unit && s.layer == l; });
+    started_.complete_where([l](Started k, std::size_t layer) { return k == Started::unit && layer == l; });
     finish(l, damping);
   }
   /// Leaves nothing in flight but the deferred decompositions: settles every layer (with
@@ -316,25 +297,8 @@ class InFlight {
   }
 
  private:
-  struct Item {
-    Started kind;
-    std::size_t layer;
-    Request request;
-  };
-  /// Waits for the started collectives that `which` selects, in the order they were started,
-  /// and forgets them.
-  template <class Which>
-  void complete_where(Which which) {
-    std::vector<Item> rest;
-    for (auto& s : started_) {
-      if (which(s)) s.request.wait();
-      else rest.push_back(std::move(s));
-    }
-    started_ = std::move(rest);
-  }
-
   std::vector<std::unique_ptr<deferred_type>> deferred_;  ///< per layer (null: never launched)
-  std::vector<Item> started_;                             ///< in start order
+  StartedCollectives<Request> started_;
   std::function<void()> after_sums_;
   std::vector<double> unsettled_;  ///< per layer: the damping of its unsettled decomposition (-1: none)
 };

@@ -3,6 +3,7 @@
 /// \brief The registered layers: each block with its per-layer settings, schedule and the
 /// gradient handed to the current step.
 
+#include <algorithm>
 #include <functional>
 #include <initializer_list>
 #include <map>
@@ -10,10 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "kfac/core/any_layer.hpp"
 #include "kfac/core/block.hpp"
 #include "kfac/error.hpp"
 #include "kfac/core/method_settings.hpp"
 #include "kfac/core/options.hpp"
+#include "kfac/core/validation.hpp"
 
 namespace kfac {
 namespace impl {
@@ -87,6 +90,33 @@ class Registry {
     if (it == index_.end()) throw Error(name, "no layer with this name is registered");
     return it->second;
   }
+  /// The layers' names, in registration order.
+  std::vector<std::string> names() const {
+    std::vector<std::string> v;
+    for (const auto& e : entries_) v.push_back(e.block->name());
+    return v;
+  }
+  /// Some layer's statistics (`statistics`) or decomposition (else) is due at `step`.
+  bool any_due(long step, bool statistics) const {
+    for (const auto& e : entries_)
+      if (step >= (statistics ? e.schedule.next_factor : e.schedule.next_inv)) return true;
+    return false;
+  }
+  /// Statistics and a decomposition for every layer at `step` at the latest.
+  void everything_due_at(long step) {
+    for (auto& e : entries_) {
+      e.schedule.next_factor = std::min(e.schedule.next_factor, step);
+      e.schedule.next_inv = std::min(e.schedule.next_inv, step);
+    }
+  }
+  /// Forgets a skipped step's observations and gradients (NonFinitePolicy::skip).
+  void forget_step() {
+    for (auto& e : entries_) {
+      e.block->clear_observations();
+      e.clear_gradient();
+      e.poisoned = false;
+    }
+  }
   std::vector<entry_type>& entries() { return entries_; }
   const std::vector<entry_type>& entries() const { return entries_; }
   std::size_t size() const { return entries_.size(); }
@@ -119,6 +149,25 @@ inline bool skip_listed(const Options& o, const std::string& name, const char* k
   for (const auto& s : o.skip_layers)
     if (s == name || s == kind) return true;
   return false;
+}
+
+/// Preconditioner::register_layer: checks the layer's own settings at `step` (now rather than
+/// at its first step()) and that `name` is free, then adds it (skipped when Options::skip_layers
+/// lists its name or kind). Throws and adds nothing on a problem, naming the layer.
+template <class Scalar, class Exec>
+void add_layer(Registry<Scalar, Exec>& reg, const std::string& name, const AnyLayer<Scalar, Exec>& layer,
+               const Options& o, long step) {
+  try {
+    layer.overrides.values_at(o, step);
+  } catch (const Error& e) {
+    throw about_layer(name, e);
+  }
+  for (const auto& e : reg.entries())
+    if (e.block->name() == name) throw Error(name, "a layer with this name is already registered");
+  allocating(name, "register_layer", [&] {
+    reg.add([make = layer.make, name] { return make(name); }, layer.overrides,
+            skip_listed(o, name, layer.kind.c_str()), step);
+  });
 }
 
 }  // namespace impl

@@ -72,6 +72,36 @@ void share_owned_factors(const Exec& exec, const Registry<Scalar, Exec>& reg, co
   dist.share_factors(exec, owned);
 }
 
+/// Memory held per layer, the shadow block of a deferred decomposition in workspace_bytes
+/// (Preconditioner::memory_report).
+template <class Scalar, class Exec, class Request>
+std::vector<MemoryReport> memory_report(const Registry<Scalar, Exec>& reg, const InFlight<Scalar, Exec, Request>& f) {
+  std::vector<MemoryReport> r;
+  for (std::size_t l = 0; l < reg.size(); ++l) {
+    r.push_back(reg[l].block->memory());
+    r.back().workspace_bytes += f.bytes(l);
+  }
+  return r;
+}
+
+/// Collective, the work assignment after a registration check (Preconditioner::
+/// check_registration): the owners share their factors (owners may change), the distribution
+/// plans from every held unit's cost, and layers this rank no longer holds release their
+/// decompositions.
+template <class Scalar, class Exec, class Dist>
+void assign_work(const Exec& exec, Registry<Scalar, Exec>& reg, Dist& dist, const Options& o) {
+  share_owned_factors(exec, reg, dist, o, dist.assignment().layers());
+  std::vector<std::vector<UnitCost>> costs(reg.size());
+  for (std::size_t l = 0; l < reg.size(); ++l)
+    for (int u = 0; !reg[l].skipped && u < reg[l].block->units(); ++u) costs[l].push_back(reg[l].block->unit_cost(u));
+  dist.plan(o, costs);
+  for (std::size_t l = 0; l < reg.size(); ++l)
+    if (!dist.holds(l)) {
+      reg[l].block->release_units();
+      reg[l].decomposed = false;
+    }
+}
+
 /// What step `step` does to each layer. A due decomposition is deferred (Options::
 /// decomposition_delay) when the layer has decomposable units and a decomposition in use on
 /// every holder (`fresh`: not so after a registration or a load that restored none). Throws
@@ -157,7 +187,7 @@ class StepPhases {
     bool launching = false;
     for (std::size_t l = 0; l < reg_.size(); ++l) launching = launching || launches(l);
     if (!decomposes && !launching)
-      flying_.add_sums(dist_.start_average(exec_, averaged, o_), [this] { dist_.finish_average(exec_); });
+      flying_.add_sums(dist_.start_average(exec_, averaged, o_));
     else dist_.average(exec_, averaged, o_);
   }
 

@@ -14,6 +14,7 @@
 
 #include "kfac/core/block.hpp"
 #include "kfac/core/options.hpp"
+#include "kfac/core/traits.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
@@ -211,6 +212,23 @@ bool nonfinite_step(const Registry& reg, const DueList& due, const Exec& exec, d
   return false;
 }
 
+/// The Preconditioner's template arguments, each checked with a message naming it.
+template <class Scalar, class Exec, class Comm, class Distribution>
+struct PreconditionerArguments {
+  static_assert(Kokkos::is_execution_space<Exec>::value,
+                "kfac::Preconditioner<Scalar, Exec, Comm, Distribution>: Exec must be a Kokkos execution space "
+                "(Kokkos::DefaultExecutionSpace, Kokkos::DefaultHostExecutionSpace, Kokkos::Serial, ...); a memory "
+                "space such as Kokkos::HostSpace says where data lives, not where kernels run");
+  static_assert(std::is_floating_point<Scalar>::value,
+                "kfac::Preconditioner<Scalar, ...>: Scalar is the type of the framework's observations and "
+                "gradients: float or double");
+  static_assert(is_communicator_v<Comm>,
+                "kfac::Preconditioner: Comm must be a communicator (kfac::SerialComm, kfac::MpiComm)");
+  static_assert(is_distribution_v<Distribution>,
+                "kfac::Preconditioner: Distribution must be kfac::Kaisa or kfac::Independent");
+  static constexpr bool ok = true;
+};
+
 /// Runs `f`, which may allocate the layer's memory: a failed allocation (Kokkos throws
 /// std::bad_alloc in 3.4, std::runtime_error in 4.x) becomes a kfac::Error naming the layer.
 template <class F>
@@ -224,6 +242,40 @@ void allocating(const std::string& name, const char* call, F&& f) {
   } catch (const std::runtime_error& e) {
     throw Error(name, std::string(call) + ": cannot allocate the layer's memory (" + e.what() + ")");
   }
+}
+
+/// Preconditioner::observe_input for entry `e`: the input `t` (of `rank` extents) is checked
+/// against the layer, then handed to it when its statistics are updated at this step (`due`)
+/// and the layer is neither skipped nor poisoned (a poisoned layer ignores the rest of its
+/// step). Returns false when `t` holds NaN/Inf and NonFinitePolicy::skip poisons the layer.
+template <class Exec, class Entry, class Tensor>
+bool take_input(const Exec& exec, const Options& o, Entry& e, const Tensor& t, int rank, bool due) {
+  const std::string& name = e.block->name();
+  fail_if(name, e.block->check_input(extents_of(t, rank)));
+  if (t.extent(0) == 0) throw Error(name, "input has an empty batch (batch = 0)");
+  if (!due || e.skipped || e.poisoned) return true;
+  if (!check_finite(exec, o, name, t, "input")) return !(e.poisoned = true);
+  allocating(name, "observe_input", [&] { e.block->observe_input(exec, t, rank); });
+  return true;
+}
+/// Preconditioner::observe_output_grad for entry `e`, as take_input; an output gradient that
+/// is not used has its shape checked by the layer all the same. Scaled by the batch for a mean
+/// loss (Options::loss_reduction).
+template <class Exec, class Entry, class Tensor>
+bool take_output_grad(const Exec& exec, const Options& o, Entry& e, const Tensor& t, int rank, bool due) {
+  const std::string& name = e.block->name();
+  if (t.extent(0) == 0) throw Error(name, "output gradient has an empty batch (batch = 0)");
+  if (!due || e.skipped || e.poisoned) {
+    fail_if(name, e.block->observations().check_output_grad_alone(extents_of(t, rank)));
+    return true;
+  }
+  fail_if(name, e.block->check_output_grad(extents_of(t, rank)));
+  if (!check_finite(exec, o, name, t, "output gradient")) return !(e.poisoned = true);
+  allocating(name, "observe_output_grad", [&] {
+    const double scale = o.loss_reduction == LossReduction::mean ? double(t.extent(0)) : 1.0;
+    e.block->observe_output_grad(exec, t, scale, rank);
+  });
+  return true;
 }
 
 }  // namespace impl

@@ -207,61 +207,46 @@ class KaisaState : public WorldAgreement<Comm> {
   /// and nothing is returned): the same buckets, payloads, reduce-to-0-and-broadcast and
   /// owners, so the same bits and bytes, on a duplicate of the communicator made by plan().
   /// Every bucket is packed now into its own part of one staging buffer. Returns the sums,
-  /// one per bucket in start order; once every one is complete, finish_average() writes the
-  /// averages back. The buffers must not be read or written until then.
-  std::vector<request_type> start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all,
-                                          const Options& options) {
-    const Kaisa& o = k_;
-    std::vector<request_type> sums;
+  /// one per bucket in start order, and their write-back, which writes the averages into the
+  /// factors once every sum is complete (impl::InFlight::complete_sums runs it); until then
+  /// the buffers must be neither read nor written.
+  impl::StartedSums<request_type> start_average(const Exec& exec, const std::vector<impl::FactorBuffer>& all,
+                                                const Options& options) {
+    impl::StartedSums<request_type> started;
     if (!overlaps_sums()) {
       average(exec, all, options);
-      return sums;
+      return started;
     }
     if constexpr (impl::has_nonblocking<Comm>::value) {
-      flight_ = Flight{all, buckets_of(all), {}, o.comm_precision};
+      const CommPrecision payload = k_.comm_precision;
+      Flight f{all, buckets_of(all), {}, payload};
       std::size_t total = 0;
-      for (const auto& b : flight_.buckets) {  // each bucket: its flat values, then its payload
+      for (const auto& b : f.buckets) {  // each bucket: its flat values, then its payload
         const std::size_t n = impl::bucket_count(b.bucket), flat = impl::flat_scalar_size(b.scalar_size);
-        flight_.offsets.push_back(total);
-        total += round_up(n * flat) + round_up(n * impl::payload_size(o.comm_precision, flat));
+        f.offsets.push_back(total);
+        total += round_up(n * flat) + round_up(n * impl::payload_size(payload, flat));
       }
       if (flight_staging_.extent(0) < total)
         flight_staging_ = Kokkos::View<char*, memory_space>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kfac::comm::in_flight"), total);
-      for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
-        const auto& b = flight_.buckets[i];
-        void* flat = flight_staging_.data() + flight_.offsets[i];
+      for (std::size_t i = 0; i < f.buckets.size(); ++i) {
+        const auto& b = f.buckets[i];
+        void* flat = flight_staging_.data() + f.offsets[i];
         transfer_bucket(exec, all, b, flat, true);
         const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
-        if (!impl::payload_is_native(o.comm_precision, flat_size))
-          impl::pack_payload(exec, flat, n, flat_size, o.comm_precision, payload_of(i));
+        if (!impl::payload_is_native(payload, flat_size))
+          impl::pack_payload(exec, flat, n, flat_size, payload, payload_of(f, i));
       }
       exec.fence();  // MPI reads the packed buckets
-      for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
-        const auto& b = flight_.buckets[i];
+      for (std::size_t i = 0; i < f.buckets.size(); ++i) {
+        const auto& b = f.buckets[i];
         const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size);
-        const bool native = impl::payload_is_native(o.comm_precision, flat_size);
-        sums.push_back(comm_.start_sum(native ? flight_staging_.data() + flight_.offsets[i] : payload_of(i),
-                                       impl::bucket_count(b.bucket), flat_size, o.comm_precision, b.owner,
-                                       sums_group_));
+        const bool native = impl::payload_is_native(payload, flat_size);
+        started.sums.push_back(comm_.start_sum(native ? flight_staging_.data() + f.offsets[i] : payload_of(f, i),
+                                               impl::bucket_count(b.bucket), flat_size, payload, b.owner, sums_group_));
       }
+      started.write_back = [this, exec, f = std::move(f)] { write_averages(exec, f); };
     }
-    return sums;
-  }
-  /// Writes the averages of the sums returned by start_average() back into their factors,
-  /// as average() does, once every one of them is complete (impl::InFlight::complete_sums).
-  void finish_average(const Exec& exec) {
-    if (flight_.buckets.empty()) return;
-    for (std::size_t i = 0; i < flight_.buckets.size(); ++i) {
-      const auto& b = flight_.buckets[i];
-      if (b.owner >= 0 && b.owner != comm_.rank()) continue;  // reduce-to-owner: only the owner reads the sum
-      void* flat = flight_staging_.data() + flight_.offsets[i];
-      const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
-      if (!impl::payload_is_native(flight_.payload, flat_size))
-        impl::unpack_payload(exec, payload_of(i), n, flat_size, flight_.payload, flat);
-      transfer_bucket(exec, flight_.items, b, flat, false);
-    }
-    exec.fence();
-    flight_ = Flight{};
+    return started;
   }
   /// Collective: every rank gets each owned factor's average from its owner (before a
   /// checkpoint or a new assignment), so that every copy is the global factor again.
@@ -416,11 +401,32 @@ class KaisaState : public WorldAgreement<Comm> {
     }
   }
   static std::size_t round_up(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+  /// What the write-back of started sums needs to know of them (start_average).
+  struct Flight {
+    std::vector<impl::FactorBuffer> items;
+    std::vector<impl::FactorBucket> buckets;
+    std::vector<std::size_t> offsets;  // of each bucket in flight_staging_
+    CommPrecision payload = CommPrecision::native;
+  };
   /// The payload part of in-flight bucket i (after its flat values).
-  void* payload_of(std::size_t i) const {
-    const auto& b = flight_.buckets[i];
-    return flight_staging_.data() + flight_.offsets[i] +
+  void* payload_of(const Flight& f, std::size_t i) const {
+    const auto& b = f.buckets[i];
+    return flight_staging_.data() + f.offsets[i] +
            round_up(impl::bucket_count(b.bucket) * impl::flat_scalar_size(b.scalar_size));
+  }
+  /// Writes the averages of the sums start_average() started back into their factors, as
+  /// average() does, once every one of them is complete.
+  void write_averages(const Exec& exec, const Flight& f) const {
+    for (std::size_t i = 0; i < f.buckets.size(); ++i) {
+      const auto& b = f.buckets[i];
+      if (b.owner >= 0 && b.owner != comm_.rank()) continue;  // reduce-to-owner: only the owner reads the sum
+      void* flat = flight_staging_.data() + f.offsets[i];
+      const std::size_t flat_size = impl::flat_scalar_size(b.scalar_size), n = impl::bucket_count(b.bucket);
+      if (!impl::payload_is_native(f.payload, flat_size))
+        impl::unpack_payload(exec, payload_of(f, i), n, flat_size, f.payload, flat);
+      transfer_bucket(exec, f.items, b, flat, false);
+    }
+    exec.fence();
   }
   void broadcast(const impl::Buffer& b, int root, const typename Comm::group_type& g) {
     impl::on_host<Exec>(comm_, b.data, b.bytes(),
@@ -436,15 +442,7 @@ class KaisaState : public WorldAgreement<Comm> {
   Kokkos::View<char*, memory_space> staging_;
   Kokkos::View<char*, memory_space> payload_;  // a bucket converted to a float32 or bfloat16 payload
   bool overlap_ = false;
-  /// What finish_average() needs of the sums start_average() started.
-  struct Flight {
-    std::vector<impl::FactorBuffer> items;
-    std::vector<impl::FactorBucket> buckets;
-    std::vector<std::size_t> offsets;  // of each bucket in flight_staging_
-    CommPrecision payload = CommPrecision::native;
-  };
-  Flight flight_;
-  Kokkos::View<char*, memory_space> flight_staging_;
+  Kokkos::View<char*, memory_space> flight_staging_;  // the started sums' buckets (their memory, not their work)
   typename Comm::group_type sums_group_{};  // a duplicate of the communicator, for the sums in flight
 };
 

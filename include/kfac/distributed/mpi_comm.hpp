@@ -35,6 +35,7 @@
 #include "kfac/distributed/mpi_request.hpp"
 #include "kfac/distributed/watchdog.hpp"
 #include "kfac/core/hash.hpp"
+#include "kfac/core/started.hpp"
 #include "kfac/error.hpp"
 
 namespace kfac {
@@ -316,11 +317,14 @@ class MpiComm {
   /// \brief The nonblocking form of sum() for a payload already in its travelling type
   /// (`scalar_size` bytes of the factor's own type when native, else float32 floats or
   /// bfloat16 bits), on `group` (a duplicate()): the same reduce to rank 0 (or to `root`) and
-  /// broadcast, in the same pieces, so the same bits, bytes and message counts.
-  Request start_sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload, int root,
-                    const Group& group) const {
-    Request r = request("MPI_Ireduce + MPI_Ibcast (sum)", group.comm());
-    if (count == 0 || size() == 1) return r;
+  /// broadcast, in the same pieces, so the same bits, bytes and message counts. Starts the
+  /// reduce; a sum to every rank (`root` < 0) also returns its broadcast, to be started once
+  /// the reduce is complete, in start order on every rank (impl::StartedCollectives does).
+  impl::StartedSum<Request> start_sum(void* data, std::size_t count, std::size_t scalar_size, CommPrecision payload,
+                                      int root, const Group& group) const {
+    impl::StartedSum<Request> sum{request("MPI_Ireduce (sum)", group.comm()), nullptr};
+    Request& r = sum.reduce;
+    if (count == 0 || size() == 1) return sum;
     const SumType t = sum_type(payload, scalar_size);
     const bool everyone = root < 0;
     const int to = everyone ? 0 : root;
@@ -333,8 +337,15 @@ class MpiComm {
       else
         check(MPI_Ireduce(at, nullptr, n, t.type, t.op, to, group.comm(), r.add()), "MPI_Ireduce");
     });
-    if (everyone) r.broadcast_after(data, count, per, t);
-    return r;
+    if (everyone)
+      sum.broadcast = [self = *this, p, count, per, t, c = group.comm()] {
+        Request b(std::shared_ptr<impl::Watchdog>(self.state_, &self.state_->dog), "MPI_Ibcast (sum)", c);
+        impl::for_each_piece(count, per, [&](std::size_t first, int n) {
+          check(MPI_Ibcast(p + first * t.size, n, t.type, 0, c, b.add()), "MPI_Ibcast");
+        });
+        return b;
+      };
+    return sum;
   }
 
   /// Broadcasts raw bytes from group rank `root_index` within `group`.

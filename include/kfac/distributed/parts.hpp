@@ -74,8 +74,7 @@ template <class Exec, class Request>
 class NoFactorAveraging {
  public:
   void average(const Exec&, const std::vector<FactorBuffer>&, const Options&) {}
-  std::vector<Request> start_average(const Exec&, const std::vector<FactorBuffer>&, const Options&) { return {}; }
-  void finish_average(const Exec&) {}
+  StartedSums<Request> start_average(const Exec&, const std::vector<FactorBuffer>&, const Options&) { return {}; }
   bool overlaps() const { return false; }
   bool sends_increments(const Options&, std::size_t) const { return false; }
   double payload_max(const Options&) const { return HUGE_VAL; }

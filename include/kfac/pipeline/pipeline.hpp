@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "kfac/core/agreement.hpp"
-#include "kfac/core/in_flight.hpp"
+#include "kfac/core/started.hpp"
 #include "kfac/distributed/mpi_comm.hpp"
 #include "kfac/error.hpp"
 #include "kfac/pipeline/schedule.hpp"
@@ -234,21 +234,22 @@ class Pipeline {
 
   // --- one step's messages -------------------------------------------------------------------
 
+  void keep(MpiComm::Request r) { transfers_.add(impl::Started::transfer, 0, std::move(r)); }
   void post_recv(const tensor_type& buf, int from, int tag) {
-    pending_.push_back(comm_.start_recv(buf.data(), buf.size() * sizeof(scalar_type), from, tag, group_));
+    keep(comm_.start_recv(buf.data(), buf.size() * sizeof(scalar_type), from, tag, group_));
   }
   void post_send(const tensor_type& buf, int to, int tag) {
-    pending_.push_back(comm_.start_send(buf.data(), buf.size() * sizeof(scalar_type), to, tag, group_));
+    keep(comm_.start_send(buf.data(), buf.size() * sizeof(scalar_type), to, tag, group_));
   }
   void wait_all(PipelineReport& report) {
     const double t0 = MPI_Wtime();
-    impl::complete_all(pending_);
+    transfers_.complete_all();
     report.wait_seconds += MPI_Wtime() - t0;
   }
   /// Posts the max over stages of this step's status (non-blocking; read at the next step).
   void post_status() {
     status_out_ = failed_ ? long(stages_ - index_) : 0L;
-    pending_.push_back(comm_.start_max(&status_out_, &status_in_, 1, group_));
+    keep(comm_.start_max(&status_out_, &status_in_, 1, group_));
     status_posted_ = true;
   }
   /// Completes the previous step and throws on every stage when some stage failed in it.
@@ -427,7 +428,7 @@ class Pipeline {
   tensor_type recv_act_[2], send_act_[2], recv_grad_[2], send_grad_[2];
   std::deque<std::pair<long, tensor_type>> stash_;  ///< inputs of batches in flight, oldest first
   std::vector<tensor_type> pool_;                    ///< stash buffers free for reuse
-  std::vector<MpiComm::Request> pending_;  ///< this step's transfers and status
+  impl::StartedCollectives<MpiComm::Request> transfers_;  ///< this step's transfers and status
   long status_out_ = 0, status_in_ = 0;
   bool status_posted_ = false, failed_ = false;
   std::string error_;
