@@ -621,3 +621,84 @@ TEST_CASE("the randomized low-rank decomposition states its own work", "[cost_mo
   const kfac::MachineFigures m;
   CHECK(m.decomposition_seconds(big, 0) < m.eigen_seconds_per_n3 * cube(256));
 }
+
+TEST_CASE("kfac::Independent states its cost: every rank computes everything, sends nothing", "[cost_model][policy]") {
+  auto net = cost_model_net_shapes();
+  for (auto& l : net) l.with_observation_rows(64);
+  const kfac::CostModel m(net);
+  for (const auto& opts : {kfac::Options{}, kfac::Options{}.with_skip_layers({"fc2", "batch_norm"})}) {
+    const auto one = m.predict(1, opts);  // KAISA on one rank: every unit there
+    for (int world : {1, 2, 3, 8}) {
+      INFO("world " << world);
+      const auto p = m.predict(world, opts, kfac::Independent{});
+      CHECK(p.factor_collectives == 0);
+      CHECK(p.factor_comm_seconds == 0);
+      REQUIRE(p.ranks.size() == std::size_t(world));
+      for (const auto& r : p.ranks) {
+        CHECK(r.factor_bytes_sent + r.decomposition_bytes_sent + r.gradient_bytes_sent + r.staging_bytes == 0);
+        CHECK(r.decomposition_seconds == one.ranks[0].decomposition_seconds);
+        CHECK(r.decomposition_n3 == one.ranks[0].decomposition_n3);
+        CHECK(r.preconditioning_seconds == Approx(one.ranks[0].preconditioning_seconds).epsilon(1e-12));
+        CHECK(r.memory_bytes() == one.ranks[0].memory_bytes());
+      }
+      CHECK(p.decomposition_phase_seconds == one.ranks[0].decomposition_seconds);
+      CHECK(p.gradient_pass_seconds == one.gradient_pass_seconds);
+      CHECK(p.factor_compute_seconds > 0);
+    }
+  }
+  CHECK(m.predict(2, kfac::Independent{}).max_bytes_per_step() == 0);
+}
+
+namespace {
+
+/// A strategy of a test's own: rank 0 decomposes every unit and broadcasts it to every rank,
+/// and every rank applies every layer; factors are not averaged.
+struct RootDecomposes {
+  using distribution_tag = void;
+  int root = 0;
+  template <class Sheet>
+  void state_cost(Sheet& sheet) const {
+    std::vector<int> all;
+    for (int r = 0; r < sheet.world(); ++r) all.push_back(r);
+    for (std::size_t l = 0; l < sheet.layers(); ++l)
+      for (int u = 0; u < sheet.layer(l).decomposed_factors(); ++u) sheet.decompose(root, l, u);
+    sheet.agree();
+    for (std::size_t l = 0; l < sheet.layers(); ++l)
+      for (int u = 0; u < sheet.layer(l).decomposed_factors(); ++u)
+        for (std::size_t count : sheet.layer(l).decomposition_buffer_counts(u))
+          sheet.share_decomposition(all, root, count * sheet.layer(l).decomposition_scalar);
+    for (int r = 0; r < sheet.world(); ++r)
+      for (std::size_t l = 0; l < sheet.layers(); ++l) sheet.precondition(r, l);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a policy states its own step; the model prices it on the machine", "[cost_model][policy]") {
+  const kfac::MachineFigures figures;
+  const kfac::CostModel m(mlp(), figures);
+  const int world = 4;
+  const auto p = m.predict(world, kfac::Options{}, RootDecomposes{});
+  double decompose = 0, broadcasts = 0;
+  std::size_t bytes = 0;
+  for (const auto& l : m.layers())
+    for (int u = 0; u < l.decomposed_factors(); ++u) {
+      decompose += figures.decomposition_seconds(l, u);
+      for (std::size_t count : l.decomposition_buffer_counts(u)) {
+        bytes += count * l.decomposition_scalar;
+        broadcasts += figures.collective_seconds(count * l.decomposition_scalar, world);
+      }
+    }
+  CHECK(p.ranks[0].decomposition_seconds == Approx(decompose));
+  CHECK(p.ranks[1].decomposition_seconds == 0);
+  CHECK(p.ranks[0].decomposition_bytes_sent == bytes);
+  CHECK(p.ranks[1].decomposition_bytes_sent == 0);
+  // The others wait for rank 0 at the agreement; then the broadcasts follow one another.
+  CHECK(p.decomposition_phase_seconds ==
+        Approx(decompose + figures.allreduce_seconds(sizeof(long), world) + broadcasts).epsilon(1e-12));
+  CHECK(p.factor_collectives == 0);
+  // Every rank holds every layer unless the policy says otherwise: COMM-OPT's memory.
+  CHECK(p.ranks[3].memory_bytes() == m.predict(world, 1.0).ranks[3].memory_bytes());
+  // The sheet refuses events it cannot price.
+  CHECK_THROWS_WITH(m.predict(world, kfac::Options{}, RootDecomposes{world}), Catch::Contains("outside the world"));
+}

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <kfac/distributed/mpi_comm.hpp>
 #include <kfac/kfac.hpp>
+#include <kfac/planning/cost_model.hpp>
 
 #include "reference.hpp"
 
@@ -26,6 +27,18 @@ namespace {
 struct Replicated {
   using distribution_tag = void;
   static constexpr const char* name = "replicated";
+
+  /// States one step to the cost model (kfac::CostSheet), from this file alone: average() sums
+  /// every averaged buffer as stored, in full, to every rank (nothing at one rank); every rank
+  /// decomposes and applies everything and agrees on failures (WorldAgreement).
+  template <class Sheet>
+  void state_cost(Sheet& sheet) const {
+    for (std::size_t l = 0; l < sheet.layers() && sheet.world() > 1; ++l)
+      if (!sheet.skipped(l))
+        for (std::size_t count : sheet.layer(l).stored_counts) sheet.sum_factors(count * sheet.layer(l).factor_scalar);
+    for (int r = 0; r < sheet.world(); ++r) sheet.compute_everything(r);
+    sheet.agree();
+  }
 
   template <class Exec, class Comm>
   class State : public kfac::impl::WorldAgreement<Comm>,
@@ -156,4 +169,40 @@ TEST_CASE("a strategy written in a test: every rank decomposes, only factors ave
     CHECK(all[1] > all[0]);
   }
   CHECK(replicated.assignment().world() == 1);  // LocalPlacement: a one-rank plan on every rank
+}
+
+namespace {
+
+/// register_net's target for a cost model: each layer described as register_layer registers it.
+struct Described {
+  kfac::CostModel& model;
+  template <class Layer, class Method>
+  void register_layer(std::string name, const Layer& layer, const Method& method) {
+    model.add(std::move(name), layer, method);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the test's strategy states its own cost: the bytes it predicts are the bytes sent", "[mpi][cost_model]") {
+  const int size = world_size();
+  kfac::MpiComm comm(MPI_COMM_WORLD);
+  kfac::Preconditioner<double, Host, kfac::MpiComm, Replicated> pre(options(), Host(), comm);
+  register_net(pre);
+  kfac::CostModel model;
+  Described described{model};
+  register_net(described);
+  std::vector<std::size_t> bytes;
+  run(pre, comm, bytes, 3);  // step 1 updates statistics only, step 2 also decomposes
+  const auto p = model.predict(size, options(), Replicated{});
+  const kfac::RankCost& mine = p.ranks.at(std::size_t(world_rank()));
+  CHECK(p.factor_collectives == (size > 1 ? 6u : 0u));  // one sum per factor, A and G of 3 layers
+  CHECK(mine.decomposition_bytes_sent + mine.gradient_bytes_sent == 0);
+  CHECK(bytes[1] == mine.factor_bytes_sent);
+  CHECK(bytes[2] == mine.factor_bytes_sent);
+  if (size > 1) CHECK(mine.factor_bytes_sent > 0);
+  // Every rank decomposes and applies everything, as under kfac::Independent.
+  const auto alone = model.predict(size, options(), kfac::Independent{});
+  CHECK(mine.decomposition_seconds == alone.ranks[0].decomposition_seconds);
+  CHECK(mine.preconditioning_seconds == alone.ranks[0].preconditioning_seconds);
 }

@@ -33,6 +33,13 @@ struct Independent {
     State(const Independent&, Comm comm) : impl::LocalAgreement<Comm>(std::move(comm)) {}
     std::string signature(const Options&) const { return "independent;"; }
   };
+
+  /// States one step to the cost model (`Sheet` is kfac::CostSheet): every rank decomposes
+  /// every unit of every layer and applies every layer; nothing is sent.
+  template <class Sheet>
+  void state_cost(Sheet& sheet) const {
+    for (int r = 0; r < sheet.world(); ++r) sheet.compute_everything(r);
+  }
 };
 
 }  // namespace kfac

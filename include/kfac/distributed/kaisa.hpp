@@ -108,6 +108,12 @@ struct Kaisa {
   /// The per-preconditioner state the policy builds (impl::KaisaState).
   template <class Exec, class Comm>
   using State = impl::KaisaState<Exec, Comm>;
+
+  /// States one step to the cost model (`Sheet` is kfac::CostSheet): the assignment, the
+  /// factor-sum buckets, the decompositions and their broadcasts within worker groups, the
+  /// gradient workers' applies and the broadcasts to the receivers (defined in kaisa_cost.hpp).
+  template <class Sheet>
+  void state_cost(Sheet& sheet) const;
 };
 
 namespace impl {
@@ -449,3 +455,5 @@ class KaisaState : public WorldAgreement<Comm> {
 }  // namespace impl
 
 }  // namespace kfac
+
+#include "kfac/distributed/kaisa_cost.hpp"  // Kaisa::state_cost

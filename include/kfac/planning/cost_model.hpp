@@ -5,20 +5,22 @@
 /// fraction, before anything is allocated.
 ///
 /// The model replays the Preconditioner's own schedule rather than a formula for an idealised
-/// one: it builds the same kfac::WorkAssignment (KAISA, Pauloski et al. 2022: greedy
-/// longest-processing-time placement of layers on worker groups and of factors on ranks), walks
-/// the layers in registration order the way Preconditioner::step() does, and counts bytes the
-/// way kfac::MpiComm::bytes_sent() counts them. Consequences of that schedule are therefore in
-/// the prediction too: all ranks decompose their factors at once, agree on failures in one
-/// allreduce and then broadcast the decompositions layer by layer, so the decomposition phase
-/// lasts as long as the most loaded rank plus the broadcasts; but with f < 1 each layer's
-/// preconditioned gradient is broadcast right after that layer's GEMMs, in layer order, so the
-/// ranks take turns and the preconditioning phase does not shrink with more ranks.
+/// one, and it does not restate any strategy: the distribution policy states its own step on a
+/// kfac::CostSheet (its `state_cost` member: who decomposes and applies what, which collectives
+/// carry how many bytes among which ranks, in the order they happen), and the model prices each
+/// event on the machine and counts bytes the way kfac::MpiComm::bytes_sent() counts them.
+/// kfac::Kaisa states KAISA's schedule (Pauloski et al. 2022; distributed/kaisa_cost.hpp), so
+/// its consequences are in the prediction too: all ranks decompose their factors at once, agree
+/// on failures in one allreduce and then broadcast the decompositions layer by layer, so the
+/// decomposition phase lasts as long as the most loaded rank plus the broadcasts; but with f < 1
+/// each layer's preconditioned gradient is broadcast right after that layer's GEMMs, in layer
+/// order, so the ranks take turns and the preconditioning phase does not shrink with more ranks.
 ///
 /// What is exact and what is modelled:
-/// - exact: the assignment, bytes per rank per phase (as MpiComm counts them: a reduce+broadcast
-///   sum counts twice its payload on every rank, a broadcast counts its payload once, on its
-///   root), the number of factor-averaging collectives, and per-layer memory as
+/// - exact (as far as the policy states its step exactly): the assignment, bytes per rank per
+///   phase (as MpiComm counts them: a reduce+broadcast sum counts twice its payload on every
+///   rank, a broadcast counts its payload once, on its root), the number of factor-averaging
+///   collectives, and per-layer memory as
 ///   Preconditioner::memory_report() gives it after a step() (no observations pending);
 /// - modelled: times. A decomposition costs a measured seconds-per-\f$n^3\f$ constant,
 ///   preconditioning its GEMM flops over a measured flop rate, a collective over p ranks
@@ -36,10 +38,10 @@
 #include <cmath>
 #include <cstddef>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "kfac/core/bucketing.hpp"
 #include "kfac/distributed/kaisa.hpp"
 #include "kfac/distributed/work_assignment.hpp"
 #include "kfac/layers/conv2d.hpp"
@@ -86,6 +88,9 @@ struct LayerShape {
   /// each decomposable unit, each unit's assignment cost and work, the work of its statistics
   /// and of its preconditioning, and the planned memory indexed [holder][skipped][precompute_reciprocal].
   std::vector<std::size_t> payload_counts;
+  /// Values each averaged buffer holds as stored (a symmetric matrix that travels packed: all
+  /// \f$n^2\f$), what a strategy that sums the stored buffers themselves sends.
+  std::vector<std::size_t> stored_counts;
   std::vector<std::vector<std::size_t>> unit_counts;
   std::vector<impl::UnitCost> unit_costs;
   BlockPlan plan;
@@ -143,6 +148,7 @@ struct LayerShape {
     bool matrices = false;
     for (const auto& f : b.averaged_state()) {
       payload_counts.push_back(f.payload_count());
+      stored_counts.push_back(f.matrix ? std::size_t(f.n) * std::size_t(f.n) : std::size_t(f.n));
       factor_scalar = f.storage.scalar_size;
       matrices = matrices || f.matrix;
       packed = packed && (f.packed || !f.matrix);
@@ -263,9 +269,9 @@ struct RankCost {
   /// Compute time of this rank's factor statistics (syrks of its share of the observation
   /// rows), per factor update; 0 when no layer gives LayerShape::observation_rows.
   double factor_seconds = 0;
-  /// Bytes as MpiComm::bytes_sent() counts them: per factor update, per decomposition step,
-  /// and per step for preconditioned gradients (only when f < 1) and, under
-  /// split_preconditioning, this rank's rows in the all-gathers of each pass.
+  /// Bytes as MpiComm::bytes_sent() counts them: per factor update (CostSheet::sum_factors), per
+  /// decomposition step (share_decomposition) and per step for preconditioned gradients
+  /// (share_gradient, and this rank's parts of gather_gradient).
   std::size_t factor_bytes_sent = 0;
   std::size_t decomposition_bytes_sent = 0;
   std::size_t gradient_bytes_sent = 0;
@@ -307,11 +313,11 @@ struct CostPrediction {
   double factor_comm_seconds = 0;
   /// Factor computation per factor update (RankCost::factor_seconds, the same on every rank).
   double factor_compute_seconds = 0;
-  /// Wall time of the decomposition phase of one step: every rank's own decompositions, the
-  /// failure vote (an allreduce over all ranks), then the worker-group broadcasts in layer order.
+  /// Wall time of the decomposition phase of one step as the policy states it (KAISA: every
+  /// rank's own decompositions, the failure vote, then the worker-group broadcasts in layer order).
   double decomposition_phase_seconds = 0;
-  /// Wall time of the preconditioning phase of one step: GEMMs plus, with f < 1, the
-  /// preconditioned-gradient broadcasts to receiver groups, in layer order.
+  /// Wall time of the preconditioning phase of one step: GEMMs plus what the policy sends
+  /// (KAISA with f < 1: the preconditioned-gradient broadcasts to receiver groups, in layer order).
   double preconditioning_phase_seconds = 0;
   /// Per step on every rank: the element-wise passes over every layer's gradient (load,
   /// KL-clip inner product, write-back; MachineFigures::gradient_pass_seconds), which no
@@ -346,14 +352,198 @@ struct CostPrediction {
   }
 };
 
+class CostModel;
+
+/// \brief One step of a distribution strategy as its policy states it to the cost model: the
+/// policy reads the world and the layers and records what each rank computes and what travels,
+/// in the order it happens; the sheet prices every event on the machine (kfac::MachineFigures),
+/// keeps a clock per rank and counts bytes as kfac::MpiComm::bytes_sent() counts them.
+///
+/// A distribution policy (the object passed as the Preconditioner's fourth argument) states its
+/// cost with a const member template, so that distributed/ never includes planning/:
+/// \code
+/// struct Replicated {  // every rank decomposes and applies everything; factors summed to all
+///   template <class Sheet>
+///   void state_cost(Sheet& sheet) const {
+///     for (std::size_t l = 0; l < sheet.layers(); ++l)
+///       if (!sheet.skipped(l) && sheet.world() > 1)
+///         for (std::size_t count : sheet.layer(l).stored_counts)
+///           sheet.sum_factors(count * sheet.layer(l).factor_scalar);
+///     for (int r = 0; r < sheet.world(); ++r) sheet.compute_everything(r);
+///     sheet.agree();
+///   }
+/// };
+/// \endcode
+///
+/// Events fall in three phases, each timed on its own clocks that start at 0 (so the policy
+/// may state them phase by phase): factor averaging, once per factor update (sum_factors); the
+/// decomposition phase, once per decomposition step (decompose, agree, share_decomposition);
+/// the preconditioning phase, every step (precondition, precondition_rows, gather_gradient,
+/// share_gradient). A collective starts when the last of its members arrives. What is not the
+/// policy's is the model's: forming the statistics (every rank forms its share of the
+/// observation rows), the gradient passes, and each layer's memory (LayerShape::planned, as a
+/// holder where hold() says so).
+class CostSheet {
+ public:
+  /// \name What the policy reads
+  ///@{
+  int world() const { return p_.world; }
+  std::size_t layers() const { return layers_.size(); }
+  /// Layer `l` in registration order.
+  const LayerShape& layer(std::size_t l) const { return layers_.at(check_layer(l)); }
+  /// Options::skip_layers names layer `l` or its kind: no rank averages, decomposes or applies it.
+  bool skipped(std::size_t l) const { return skip_.at(check_layer(l)); }
+  const Options& options() const { return options_; }
+  ///@}
+
+  /// \name Who does what
+  ///@{
+  /// Records the strategy's work assignment (CostPrediction::assignment; empty when none is stated).
+  void assign(WorkAssignment a) { p_.assignment = std::move(a); }
+  /// Whether `rank` keeps layer `l`'s decompositions, which sets its planned memory (every rank
+  /// keeps every layer unless told otherwise).
+  void hold(int rank, std::size_t l, bool held) { held_[check_rank(rank)][check_layer(l)] = held; }
+  ///@}
+
+  /// \name Factor averaging, per factor update
+  ///@{
+  /// One sum of `bytes` from every rank to `owner` (-1: to every rank, a reduce and a broadcast,
+  /// counted twice on every rank; else one reduce, counted once), staged in a buffer of
+  /// `staging_bytes` on every rank (RankCost::staging_bytes keeps the largest).
+  void sum_factors(std::size_t bytes, int owner = -1, std::size_t staging_bytes = 0) {
+    if (owner != -1) check_rank(owner);
+    const bool everyone = owner < 0;
+    for (auto& r : p_.ranks) {
+      r.factor_bytes_sent += (everyone ? 2 : 1) * bytes;
+      r.staging_bytes = std::max(r.staging_bytes, staging_bytes);
+    }
+    p_.factor_comm_seconds +=
+        everyone ? machine_.allreduce_seconds(bytes, world()) : machine_.collective_seconds(bytes, world());
+    ++p_.factor_collectives;
+  }
+  ///@}
+
+  /// \name Decomposition phase, per decomposition step
+  ///@{
+  /// `rank` decomposes unit `unit` of layer `l` (its stated work, LayerShape::unit_costs).
+  void decompose(int rank, std::size_t l, int unit) {
+    const LayerShape& s = layer(l);
+    if (unit < 0 || unit >= s.decomposed_factors()) throw Error(s.name, "cost sheet: no unit " + std::to_string(unit));
+    auto& rc = p_.ranks[check_rank(rank)];
+    const double t = machine_.decomposition_seconds(s, unit);
+    rc.decomposition_n3 += s.unit_costs[std::size_t(unit)].flops;
+    rc.decomposition_seconds += t;
+    decomposition_clock_[std::size_t(rank)] += t;
+  }
+  /// Every rank agrees on failures: one allreduce of a long (not counted in bytes).
+  void agree() {
+    std::vector<int> all(static_cast<std::size_t>(world()));
+    for (int r = 0; r < world(); ++r) all[std::size_t(r)] = r;
+    collective(decomposition_clock_, all, machine_.allreduce_seconds(sizeof(long), world()));
+  }
+  /// `root` broadcasts `bytes` of a decomposition to `group` (root included).
+  void share_decomposition(const std::vector<int>& group, int root, std::size_t bytes) {
+    p_.ranks[check_member(group, root)].decomposition_bytes_sent += bytes;
+    collective(decomposition_clock_, group, machine_.collective_seconds(bytes, int(group.size())));
+  }
+  ///@}
+
+  /// \name Preconditioning phase, per step
+  ///@{
+  /// `rank` applies layer `l`'s whole preconditioning.
+  void precondition(int rank, std::size_t l) { apply(rank, machine_.preconditioning_seconds(layer(l))); }
+  /// `rank` computes `rows` of layer `l`'s g_dim gradient rows in one of `passes` passes of a
+  /// divided apply (LayerShape::split_passes).
+  void precondition_rows(int rank, std::size_t l, index_t rows, int passes) {
+    const LayerShape& s = layer(l);
+    const double t = machine_.preconditioning_seconds(s) / double(std::max(1, passes));
+    apply(rank, t * double(rows) / double(s.g_dim));
+  }
+  /// `group` all-gathers its parts: member j sends `parts[j]` bytes.
+  void gather_gradient(const std::vector<int>& group, const std::vector<std::size_t>& parts) {
+    if (parts.size() != group.size()) throw Error("", "cost sheet: gather_gradient expects one part per member");
+    std::size_t total = 0;
+    for (std::size_t j = 0; j < group.size(); ++j) {
+      p_.ranks[check_rank(group[j])].gradient_bytes_sent += parts[j];
+      total += parts[j];
+    }
+    collective(preconditioning_clock_, group, machine_.all_gather_seconds(total, int(group.size())));
+  }
+  /// `root` broadcasts `bytes` of a preconditioned gradient to `group` (root included).
+  void share_gradient(const std::vector<int>& group, int root, std::size_t bytes) {
+    p_.ranks[check_member(group, root)].gradient_bytes_sent += bytes;
+    collective(preconditioning_clock_, group, machine_.collective_seconds(bytes, int(group.size())));
+  }
+  ///@}
+
+  /// `rank` decomposes every unit of every layer not skipped and applies every such layer
+  /// itself, in layer order: a strategy without placement (kfac::Independent, or one that only
+  /// averages the factors).
+  void compute_everything(int rank) {
+    for (std::size_t l = 0; l < layers(); ++l) {
+      if (skipped(l)) continue;
+      for (int u = 0; u < layer(l).decomposed_factors(); ++u) decompose(rank, l, u);
+      precondition(rank, l);
+    }
+  }
+
+ private:
+  friend class CostModel;
+  CostSheet(const std::vector<LayerShape>& layers, int world, const Options& options, const MachineFigures& machine);
+  CostPrediction finish() &&;
+
+  void apply(int rank, double seconds) {
+    p_.ranks[check_rank(rank)].preconditioning_seconds += seconds;
+    preconditioning_clock_[std::size_t(rank)] += seconds;
+  }
+  std::size_t check_rank(int rank) const {
+    if (rank < 0 || rank >= world())
+      throw Error("", "cost sheet: rank " + std::to_string(rank) + " is outside the world of " +
+                          std::to_string(world()));
+    return std::size_t(rank);
+  }
+  std::size_t check_layer(std::size_t l) const {
+    if (l >= layers_.size()) throw Error("", "cost sheet: no layer " + std::to_string(l));
+    return l;
+  }
+  std::size_t check_member(const std::vector<int>& group, int root) const {
+    for (int r : group) check_rank(r);
+    if (std::find(group.begin(), group.end(), root) == group.end())
+      throw Error("", "cost sheet: the sending rank " + std::to_string(root) + " is not in its group");
+    return std::size_t(root);
+  }
+  /// A blocking collective among `group`: it starts when the last member arrives.
+  static void collective(std::vector<double>& clock, const std::vector<int>& group, double t) {
+    double start = 0;
+    for (int r : group) start = std::max(start, clock[std::size_t(r)]);
+    for (int r : group) clock[std::size_t(r)] = start + t;
+  }
+
+  const std::vector<LayerShape>& layers_;
+  const Options& options_;
+  const MachineFigures& machine_;
+  std::vector<bool> skip_;
+  std::vector<std::vector<bool>> held_;  ///< [rank][layer]
+  std::vector<double> decomposition_clock_, preconditioning_clock_;
+  CostPrediction p_;
+};
+
+namespace impl {
+/// The policy states its cost to the cost model (`policy.state_cost(sheet)` compiles).
+template <class Policy, class = void>
+struct states_cost : std::false_type {};
+template <class Policy>
+struct states_cost<Policy, std::void_t<decltype(std::declval<const Policy&>().state_cost(std::declval<CostSheet&>()))>>
+    : std::true_type {};
+}  // namespace impl
+
 /// \brief Predicts per-rank costs of distributed K-FAC for a fixed list of layers.
 ///
 /// The layer list must be in registration order (placement ties and the layer-by-layer
-/// schedule depend on it). The distribution's settings come from a kfac::Kaisa policy object
-/// (grad_worker_fraction, assignment_cost, colocate_factors, group_layout, placement,
-/// bucket_bytes, reduce_to_owner, split_preconditioning, comm_precision), or from Options as a
-/// Preconditioner built without one reads them; Options supply precompute_reciprocal,
-/// skip_layers, kl_clip and the intervals at step 0.
+/// schedule depend on it). The distribution policy states its own step (kfac::CostSheet): what
+/// kfac::Kaisa, kfac::Independent or a strategy of your own computes where and sends; the model
+/// prices it on the machine. Options supply precompute_reciprocal, skip_layers, kl_clip and the
+/// intervals at step 0.
 class CostModel {
  public:
   /// An empty model: describe the layers with add(), in registration order.
@@ -401,53 +591,30 @@ class CostModel {
     return predict(world, options, Kaisa{});
   }
   /// \param world [in] number of ranks.
-  /// \param policy [in] the kfac::Kaisa policy object, with default Options.
-  CostPrediction predict(int world, const Kaisa& policy) const { return predict(world, Options{}, policy); }
+  /// \param policy [in] the distribution policy object (kfac::Kaisa, kfac::Independent, ...), with
+  ///        default Options.
+  template <class Policy, class = std::enable_if_t<impl::is_distribution<Policy>::value>>
+  CostPrediction predict(int world, const Policy& policy) const {
+    return predict(world, Options{}, policy);
+  }
+  /// \tparam Policy a distribution policy with `template <class Sheet> void state_cost(Sheet&) const`.
   /// \param world [in] number of ranks.
   /// \param options [in] the Preconditioner's options (numerics and schedule).
-  /// \param policy [in] the kfac::Kaisa policy object passed to the Preconditioner (its
-  ///        placement included), with `options` holding the rest.
-  CostPrediction predict(int world, const Options& options, const Kaisa& policy) const {
-    if (world < 1) throw Error("", "cost model: expected world >= 1");
-    const StepValues v = StepValues::at(options, 0);
-    CostPrediction p;
-    p.world = world;
-    p.factor_interval = v.factor_update_steps;
-    p.inv_interval = v.inv_update_steps;
-    const std::size_t n = layers_.size();
-    std::vector<bool> skip(n);
-    std::vector<std::vector<double>> costs(n);
-    for (std::size_t l = 0; l < n; ++l) {
-      skip[l] = skipped(layers_[l], options);
-      if (!skip[l])
-        for (const auto& u : layers_[l].unit_costs)
-          costs[l].push_back(policy.assignment_cost == AssignmentCost::memory ? u.memory : u.flops);
+  /// \param policy [in] the distribution policy object passed to the Preconditioner (for
+  ///        kfac::Kaisa, its placement included): it states its step on a kfac::CostSheet.
+  template <class Policy>
+  CostPrediction predict(int world, const Options& options, const Policy& policy) const {
+    static_assert(impl::states_cost<Policy>::value,
+                  "kfac::CostModel::predict: the distribution policy needs a member "
+                  "`template <class Sheet> void state_cost(Sheet& sheet) const` (see kfac::CostSheet)");
+    if constexpr (impl::states_cost<Policy>::value) {
+      if (world < 1) throw Error("", "cost model: expected world >= 1");
+      CostSheet sheet(layers_, world, options, machine_);
+      policy.state_cost(sheet);
+      return std::move(sheet).finish();
+    } else {
+      return CostPrediction{};
     }
-    p.assignment = WorkAssignment(world, policy.grad_worker_fraction, costs, policy.colocate_factors,
-                                  policy.group_layout, policy.placement);
-    const WorkAssignment& a = p.assignment;
-
-    p.ranks.resize(std::size_t(world));
-    for (int r = 0; r < world; ++r) {
-      auto& rc = p.ranks[std::size_t(r)];
-      rc.rank = r;
-      for (std::size_t l = 0; l < n; ++l) rc.memory.push_back(memory(layers_[l], skip[l], options,
-                                                                     !skip[l] && a.is_grad_worker(l, r)));
-    }
-    // Factor computation: every rank forms the same share of the global batch's rows (data
-    // parallel, rounded up), so every rank takes the same time.
-    for (std::size_t l = 0; l < n; ++l) {
-      const index_t rows = layers_[l].observation_rows;
-      if (!skip[l] && rows > 0) p.factor_compute_seconds += machine_.factor_seconds(layers_[l], (rows + world - 1) / world);
-    }
-    for (auto& rc : p.ranks) rc.factor_seconds = p.factor_compute_seconds;
-    factor_averaging(p, skip, policy);
-
-    decomposition_phase(p, skip);
-    preconditioning_phase(p, skip, policy);
-    for (std::size_t l = 0; l < n; ++l)
-      if (!skip[l]) p.gradient_pass_seconds += machine_.gradient_pass_seconds(layers_[l], v.kl_clip > 0);
-    return p;
   }
 
   /// Shorthand: default options and KAISA with gradient-worker fraction `fraction`.
@@ -456,177 +623,51 @@ class CostModel {
   }
 
  private:
-  /// The decomposition phase of `p` (its assignment made): each rank's decompositions, the
-  /// agreement on failures and the broadcasts within worker groups.
-  void decomposition_phase(CostPrediction& p, const std::vector<bool>& skip) const {
-    const std::size_t n = layers_.size();
-    const int world = p.world;
-    const WorkAssignment& a = p.assignment;
-    const int gw = a.grad_workers();
-    // Decomposition phase, replaying Preconditioner::decompose: every rank first runs its own
-    // decompositions, then all ranks agree on failures (one allreduce of a long), then the
-    // buffers are broadcast within worker groups in layer order.
-    std::vector<double> clock(std::size_t(world), 0.0);
-    for (std::size_t l = 0; l < n; ++l) {
-      const LayerShape& s = layers_[l];
-      if (skip[l]) continue;
-      for (int which = 0; which < s.decomposed_factors(); ++which) {
-        auto& rc = p.ranks[std::size_t(a.decomposer(l, which))];
-        const double t = machine_.decomposition_seconds(s, which);
-        rc.decomposition_n3 += s.unit_costs[std::size_t(which)].flops;
-        rc.decomposition_seconds += t;
-        clock[std::size_t(a.decomposer(l, which))] += t;
-      }
-    }
-    if (world > 1) {
-      std::vector<int> all(static_cast<std::size_t>(world));
-      for (int r = 0; r < world; ++r) all[std::size_t(r)] = r;
-      collective(clock, all, machine_.allreduce_seconds(sizeof(long), world));
-    }
-    for (std::size_t l = 0; l < n; ++l) {
-      const LayerShape& s = layers_[l];
-      if (skip[l] || s.decomposed_factors() == 0 || gw == 1) continue;  // one-rank groups send nothing
-      std::vector<int> group;
-      for (int j = 0; j < gw; ++j) group.push_back(a.rank_of(a.worker_group(l), j));
-      for (int which = 0; which < s.decomposed_factors(); ++which)
-        for (std::size_t count : s.decomposition_buffer_counts(which)) {
-          const std::size_t bytes = count * s.decomposition_scalar;
-          p.ranks[std::size_t(a.decomposer(l, which))].decomposition_bytes_sent += bytes;
-          collective(clock, group, machine_.collective_seconds(bytes, gw));
-        }
-    }
-    p.decomposition_phase_seconds = *std::max_element(clock.begin(), clock.end());
-  }
-
-  /// The preconditioning phase of `p`: every rank's applies (split or whole), the all-gathers
-  /// of split preconditioning and the receiver groups' broadcasts.
-  void preconditioning_phase(CostPrediction& p, const std::vector<bool>& skip, const Kaisa& policy) const {
-    const std::size_t n = layers_.size();
-    const int world = p.world;
-    const WorkAssignment& a = p.assignment;
-    const int gw = a.grad_workers();
-    // Preconditioning phase, replaying Preconditioner::precondition: every rank preconditions
-    // all of its layers (with split_preconditioning its rows of them, pass by pass, each pass
-    // followed by the all-gathers in layer order), then the receiver broadcasts follow in
-    // layer order.
-    std::vector<double> clock(std::size_t(world), 0.0);
-    std::vector<int> passes(n, 0);  // of the divided applies (0: whole)
-    for (std::size_t l = 0; l < n; ++l)
-      if (!skip[l] && policy.split_preconditioning && world > 1 && gw > 1 && layers_[l].decomposed_factors() > 0)
-        passes[l] = layers_[l].split_passes;
-    const int most = passes.empty() ? 1 : std::max(1, *std::max_element(passes.begin(), passes.end()));
-    for (std::size_t l = 0; l < n; ++l) {  // layers without units: every rank applies its own (NG-SGD)
-      if (skip[l] || layers_[l].decomposed_factors() > 0) continue;
-      const double t = machine_.preconditioning_seconds(layers_[l]);
-      for (int r = 0; r < world; ++r) {
-        p.ranks[std::size_t(r)].preconditioning_seconds += t;
-        clock[std::size_t(r)] += t;
-      }
-    }
-    for (int pass = 0; pass < most; ++pass) {
-      for (std::size_t l = 0; l < n; ++l) {
-        const LayerShape& s = layers_[l];
-        if (skip[l] || s.decomposed_factors() == 0) continue;  // local layers: above
-        if (passes[l] == 0 ? pass > 0 : pass >= passes[l]) continue;
-        const double t = machine_.preconditioning_seconds(s) / double(std::max(1, passes[l]));
-        for (int j = 0; j < gw; ++j) {
-          const std::size_t r = std::size_t(a.rank_of(a.worker_group(l), j));
-          const auto rows = impl::row_block(s.g_dim, j, gw);
-          const double mine = passes[l] == 0 ? t : t * double(rows.second - rows.first) / double(s.g_dim);
-          p.ranks[r].preconditioning_seconds += mine;
-          clock[r] += mine;
-        }
-      }
-      for (std::size_t l = 0; l < n; ++l) {
-        if (pass >= passes[l]) continue;
-        const LayerShape& s = layers_[l];
-        const std::size_t row_bytes = std::size_t(s.a_dim) * s.decomposition_scalar;
-        std::vector<int> group;
-        for (int j = 0; j < gw; ++j) {
-          group.push_back(a.rank_of(a.worker_group(l), j));
-          const auto rows = impl::row_block(s.g_dim, j, gw);
-          p.ranks[std::size_t(group.back())].gradient_bytes_sent += std::size_t(rows.second - rows.first) * row_bytes;
-        }
-        collective(clock, group, machine_.all_gather_seconds(std::size_t(s.g_dim) * row_bytes, gw));
-      }
-    }
-    for (std::size_t l = 0; l < n && gw < world; ++l) {
-      const LayerShape& s = layers_[l];
-      if (skip[l] || s.decomposed_factors() == 0) continue;
-      const std::size_t bytes = std::size_t(s.g_dim) * std::size_t(s.a_dim) * s.decomposition_scalar;
-      for (int j = 0; j < gw; ++j) {  // receiver group j: member j of every worker group
-        std::vector<int> group;
-        for (int k = 0; k < a.worker_groups(); ++k) group.push_back(a.rank_of(k, j));
-        p.ranks[std::size_t(a.rank_of(a.worker_group(l), j))].gradient_bytes_sent += bytes;
-        collective(clock, group, machine_.collective_seconds(bytes, world / gw));
-      }
-    }
-    p.preconditioning_phase_seconds = *std::max_element(clock.begin(), clock.end());
-  }
-
-  static bool skipped(const LayerShape& s, const Options& o) {
-    for (const auto& k : o.skip_layers)
-      if (k == s.name || k == s.kind) return true;
-    return false;
-  }
-  /// The layer's planned memory after a step(), as its block computes it.
-  static MemoryReport memory(const LayerShape& s, bool skip, const Options& o, bool worker) {
-    MemoryReport r = s.planned[worker][skip][o.precompute_reciprocal];
-    r.name = s.name;
-    return r;
-  }
-
-  /// Replays the factor averaging of kfac::Kaisa: the collectives of impl::factor_buckets
-  /// (per storage type: binary16, which travels as float, float, double; with reduce_to_owner, each decomposed factor summed only
-  /// to its decomposer: one MPI_Reduce, counted once, instead of a reduce and a broadcast).
-  void factor_averaging(CostPrediction& p, const std::vector<bool>& skip, const Kaisa& o) const {
-    if (p.world == 1) return;
-    std::size_t sent = 0, staging = 0;
-    std::vector<std::size_t> counts, sizes;
-    std::vector<int> owners;
-    for (std::size_t l = 0; l < layers_.size(); ++l) {
-      if (skip[l]) continue;
-      const auto c = layers_[l].factor_payload_counts();
-      const bool units = layers_[l].decomposed_factors() > 0 && int(c.size()) == layers_[l].decomposed_factors();
-      std::vector<int> decomposers;
-      for (std::size_t k = 0; k < c.size(); ++k) {
-        counts.push_back(c[k]);
-        sizes.push_back(layers_[l].factor_scalar);
-        decomposers.push_back(units && o.reduce_to_owner ? p.assignment.decomposer(l, int(k)) : -1);
-      }
-      for (int r : impl::factor_owners_of(decomposers, units && o.reduce_to_owner, layers_[l].units_coupled,
-                                          layers_[l].factor_scalar))
-        owners.push_back(r);
-    }
-    for (const auto& b : impl::factor_buckets(counts, sizes, owners, o.bucket_bytes)) {
-      const std::size_t size = impl::flat_scalar_size(b.scalar_size);  // the flat buffer's scalar
-      const std::size_t payload = o.comm_precision == CommPrecision::native    ? size
-                                  : o.comm_precision == CommPrecision::float32 ? 4
-                                                                               : 2;
-      const std::size_t count = impl::bucket_count(b.bucket);
-      const bool everyone = b.owner < 0;
-      sent += (everyone ? 2 : 1) * count * payload;
-      staging = std::max(staging, count * size);
-      p.factor_comm_seconds += everyone ? machine_.allreduce_seconds(count * payload, p.world)
-                                        : machine_.collective_seconds(count * payload, p.world);
-      ++p.factor_collectives;
-    }
-    for (auto& r : p.ranks) {
-      r.factor_bytes_sent = sent;
-      r.staging_bytes = staging;
-    }
-  }
-
-  /// A blocking collective among `group`: it starts when the last member arrives.
-  static void collective(std::vector<double>& clock, const std::vector<int>& group, double t) {
-    double start = 0;
-    for (int r : group) start = std::max(start, clock[std::size_t(r)]);
-    for (int r : group) clock[std::size_t(r)] = start + t;
-  }
-
   std::vector<LayerShape> layers_;
   MachineFigures machine_;
 };
+
+/// The prediction's frame: every rank, the skipped layers, and each rank's statistics, formed
+/// from the same share of the global batch's rows (data parallel, rounded up).
+inline CostSheet::CostSheet(const std::vector<LayerShape>& layers, int world, const Options& options,
+                            const MachineFigures& machine)
+    : layers_(layers), options_(options), machine_(machine),
+      held_(std::size_t(world), std::vector<bool>(layers.size(), true)),
+      decomposition_clock_(std::size_t(world), 0.0), preconditioning_clock_(std::size_t(world), 0.0) {
+  const StepValues v = StepValues::at(options, 0);
+  p_.world = world;
+  p_.factor_interval = v.factor_update_steps;
+  p_.inv_interval = v.inv_update_steps;
+  for (const auto& s : layers) {
+    bool skip = false;
+    for (const auto& k : options.skip_layers) skip = skip || k == s.name || k == s.kind;
+    skip_.push_back(skip);
+    if (!skip && s.observation_rows > 0)
+      p_.factor_compute_seconds += machine.factor_seconds(s, (s.observation_rows + world - 1) / world);
+  }
+  p_.ranks.resize(std::size_t(world));
+  for (int r = 0; r < world; ++r) {
+    p_.ranks[std::size_t(r)].rank = r;
+    p_.ranks[std::size_t(r)].factor_seconds = p_.factor_compute_seconds;
+  }
+}
+
+/// The phases' wall times (their last clocks), every rank's memory (LayerShape::planned, as a
+/// holder where the policy said so) and the gradient passes, which no strategy divides.
+inline CostPrediction CostSheet::finish() && {
+  p_.decomposition_phase_seconds = *std::max_element(decomposition_clock_.begin(), decomposition_clock_.end());
+  p_.preconditioning_phase_seconds = *std::max_element(preconditioning_clock_.begin(), preconditioning_clock_.end());
+  for (auto& rc : p_.ranks)
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const bool holder = !skip_[l] && held_[std::size_t(rc.rank)][l];
+      MemoryReport m = layers_[l].planned[holder][skip_[l]][options_.precompute_reciprocal];
+      m.name = layers_[l].name;
+      rc.memory.push_back(std::move(m));
+    }
+  for (std::size_t l = 0; l < layers_.size(); ++l)
+    if (!skip_[l]) p_.gradient_pass_seconds += machine_.gradient_pass_seconds(layers_[l], options_.kl_clip(0) > 0);
+  return std::move(p_);
+}
 
 /// \brief Reference layer lists for planning.
 namespace shapes {
