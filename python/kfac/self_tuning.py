@@ -49,7 +49,7 @@ class SelfTuning:
         loss: str = 'cross_entropy',
         *,
         initial_damping: float = 1e-3,
-        min_damping: float = 1e-8,
+        min_damping: float = 1e-4,
         max_damping: float = math.inf,
         update_interval: int = 5,
         damping_decay: float = 0.95,

@@ -52,10 +52,16 @@ inline const char* to_string(LossCurvature c) {
 /// \f$\gamma = \sqrt{\lambda + \eta}\f$ of the paper's section 6.3 (kfac's damping is
 /// \f$\gamma^2\f$; the paper's separate adaptation of \f$\gamma\f$, section 6.6, is not done).
 ///
+/// `min_damping` defaults to 1e-4, not to a negligible value: the reduction ratio is measured on
+/// the step's own batch, where the model predicts well (\f$\rho \approx 1\f$), so the rule lowers
+/// \f$\lambda\f$ at nearly every update; at 1e-8 the preconditioner is then nearly undamped, the
+/// proposal grows along directions the batch's curvature does not see, and training diverged
+/// after a few epochs on the MLP demo (docs/self_tuning.md, "The damping's lower bound").
+///
 /// | type | name | description | default |
 /// |---|---|---|---|
 /// | double | initial_damping | \f$\lambda_0\f$ | 0.001 |
-/// | double | min_damping | lower bound of \f$\lambda\f$ | 1e-8 |
+/// | double | min_damping | lower bound of \f$\lambda\f$ | 1e-4 |
 /// | double | max_damping | upper bound of \f$\lambda\f$ (may be infinite) | inf |
 /// | long | update_interval | \f$T_1\f$: solves between two damping updates | 5 |
 /// | double | damping_decay | \f$\omega_1^{1/T_1}\f$: the factor per step | 0.95 |
@@ -67,7 +73,7 @@ inline const char* to_string(LossCurvature c) {
 /// | bool | rho_includes_damping | \f$\rho\f$'s \f$M\f$ has \f$\frac12\lambda\|\delta\|^2\f$ (the paper's) | true |
 struct Adaptive {
   double initial_damping = 1e-3;
-  double min_damping = 1e-8;
+  double min_damping = 1e-4;
   double max_damping = std::numeric_limits<double>::infinity();
   long update_interval = 5;
   double damping_decay = 0.95;
