@@ -348,9 +348,11 @@ struct Trainer {
     pre.set_gradient("fc1", net.dW1, net.db1);
     pre.set_gradient("fc2", net.dW2, net.db2);
     const Flat g = Net::flat(net.grads());
-    tune.capture_gradient();
+    const bool products = tune.wants_products();
+    if (products) tune.capture_gradient();
     pre.step();
     const Flat p = Net::flat(net.grads());
+    if (!products) return reuse(before, p);
     M z("z", b.n(), 4);
     Kokkos::deep_copy(z, net.forward(b.x));
     Products prod;
@@ -390,6 +392,30 @@ struct Trainer {
       CHECK(upd.rho == (after - before) / st.predicted);
       CHECK(upd.damping == kfac::impl::levenberg_marquardt(old, upd.rho, tune.settings()));
     }
+    ++steps;
+    return before;
+  }
+  /// A step without products (Adaptive::solve_interval): apply_last() gives exactly
+  /// alpha P + mu U0 with the last solve's alpha and mu, and no damping update follows.
+  double reuse(double before, const Flat& p) {
+    Flat u0;
+    for (const char* name : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
+      const auto v = tune.previous_update(name);
+      u0.insert(u0.end(), v.data(), v.data() + v.size());
+    }
+    const kfac::AdaptiveStep last = tune.last_step();
+    const long solves = tune.solves(), updates = tune.damping_updates();
+    const auto st = tune.apply_last();
+    CHECK(st.alpha == last.alpha);
+    CHECK(st.mu == last.mu);
+    const Flat u = Net::flat(net.grads());
+    for (std::size_t i = 0; i < u.size(); ++i) CHECK(close(u[i], last.alpha * p[i] + last.mu * u0[i], 1e-14));
+    CHECK(tune.solves() == solves);
+    CHECK(!tune.wants_loss_change());
+    CHECK(tune.damping_updates() == updates);
+    Flat theta = Net::flat(net.params());
+    for (std::size_t i = 0; i < theta.size(); ++i) theta[i] -= u[i];
+    Net::assign(net.params(), theta);
     ++steps;
     return before;
   }
@@ -533,4 +559,61 @@ TEST_CASE("Bad input is a kfac::Error naming what is wrong, and changes nothing"
   std::stringstream junk("not a checkpoint");
   refused("not a kfac checkpoint", [&] { tune.load(junk); });
   CHECK_THROWS_WITH(tune.add_parameter("late", w), Catch::Contains("after the first capture_gradient"));
+}
+
+TEST_CASE("Adaptive::solve_interval: products every k steps, the last alpha and mu reused in between",
+          "[adaptive][interval]") {
+  const auto every3 = kfac::Adaptive{}.with_initial_damping(0.5).with_update_interval(2).with_solve_interval(3);
+  Trainer tr(every3);
+  const Batch probe(64, 5, 4, 999);
+  const double first = tr.net.loss_at(probe);
+  std::vector<bool> wanted;
+  for (int s = 0; s < 9; ++s) {
+    wanted.push_back(tr.tune.wants_products());
+    tr.step(true);
+  }
+  CHECK(wanted == std::vector<bool>{true, false, false, true, false, false, true, false, false});
+  CHECK(tr.tune.solves() == 3);
+  CHECK(tr.tune.steps() == 9);
+  CHECK(tr.tune.damping_updates() == 1);  // after the 2nd solve (T1 = 2 solves)
+  CHECK(tr.net.loss_at(probe) < first);
+
+  // apply_last() when the solve is due, or before any solve: refused, nothing changed.
+  CHECK(tr.tune.wants_products());
+  const std::vector<std::string> names{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
+  const Snapshot before = Snapshot::of(tr.tune, {Net::flat(tr.net.grads())}, names);
+  CHECK_THROWS_WITH(tr.tune.apply_last(), Catch::Contains("this step's solve is due"));
+  CHECK(Snapshot::of(tr.tune, {Net::flat(tr.net.grads())}, names) == before);
+  CHECK(tr.tune.steps() == 9);
+  Tuning fresh(every3);
+  M w("w", 2, 3);
+  fresh.add_parameter("w", w);
+  CHECK_THROWS_WITH(fresh.apply_last(), Catch::Contains("no solve() yet"));
+  CHECK(fresh.steps() == 0);
+  CHECK_THROWS_WITH(Tuning(kfac::Adaptive{}.with_solve_interval(0)), Catch::Contains("solve_interval"));
+
+  // A checkpoint taken between two solves resumes bit for bit.
+  Trainer straight(every3);
+  for (int s = 0; s < 8; ++s) straight.step(false);
+  Trainer part(every3);
+  for (int s = 0; s < 4; ++s) part.step(false);
+  std::stringstream pre_ckpt, tune_ckpt;
+  part.pre.save(pre_ckpt);
+  part.tune.save(tune_ckpt);
+  Trainer resumed(every3);
+  Net::assign(resumed.net.params(), Net::flat(part.net.params()));
+  resumed.pre.load(pre_ckpt);
+  resumed.tune.load(tune_ckpt);
+  resumed.steps = 4;
+  CHECK(resumed.tune.steps() == 4);
+  CHECK(!resumed.tune.wants_products());
+  for (int s = 4; s < 8; ++s) resumed.step(false);
+  CHECK(bits(Net::flat(resumed.net.params())) == bits(Net::flat(straight.net.params())));
+  // Another interval is another setting: its checkpoint is refused.
+  Tuning other(kfac::Adaptive{}.with_initial_damping(0.5).with_update_interval(2).with_solve_interval(2));
+  tune_ckpt.clear();
+  tune_ckpt.seekg(0);
+  M w1("w1", 6, 5);
+  other.add_parameter("fc1.weight", w1);
+  CHECK_THROWS_WITH(other.load(tune_ckpt), Catch::Contains("solve_interval"));
 }

@@ -155,6 +155,9 @@ struct KfacSettings {
   /// momentum and damping chosen every step from the exact curvature, so lr, momentum, damping
   /// and kl_clip above are not used; a network whose layers all have an R-op (every kind has one).
   bool adaptive = false;
+  /// With `adaptive`: the quadratic model solved (R-op products) every this many steps, its
+  /// alpha and mu reused in between (kfac::Adaptive::solve_interval).
+  long adaptive_solve_interval = 1;
 };
 
 /// \brief The gradient-worker fraction `s` asks for on `world_size` ranks (see KfacSettings).
@@ -286,7 +289,8 @@ class KfacSgd {
     if (s.adaptive) {
       if (!net.has_rop())
         throw std::invalid_argument("self-tuned K-FAC (--adaptive) needs an R-op of every layer");
-      const kfac::Adaptive adaptive = kfac::Adaptive{}.with_weight_decay(s.weight_decay);
+      const kfac::Adaptive adaptive =
+          kfac::Adaptive{}.with_weight_decay(s.weight_decay).with_solve_interval(s.adaptive_solve_interval);
 #if KFAC_EXAMPLES_HAVE_MPI
       // Several ranks: the quadratic model's scalars and the losses are summed over them.
       if (world.size() > 1) mpi_tune_ = std::make_unique<MpiTuning>(adaptive, ExecSpace(), kfac::MpiComm(world.comm()));
@@ -343,7 +347,9 @@ class KfacSgd {
     if (!mpi_ && !serial_) choose_distribution(net);
     if (settings_.weight_decay > 0) add_weight_decay(params_, settings_.weight_decay);
     with_preconditioner([&](auto& pre) { observe(net, pre); });
-    with_tuning([](auto& tune) { tune.capture_gradient(); });
+    with_tuning([](auto& tune) {
+      if (tune.wants_products()) tune.capture_gradient();  // else the update reuses the last alpha, mu
+    });
     with_preconditioner([](auto& pre) { pre.step(); });
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     Kokkos::Profiling::popRegion();
@@ -353,6 +359,14 @@ class KfacSgd {
   /// \brief step_adaptive's second half on `tune` (public: a template over the communicator's tuning type).
   template <class Tune>
   void products_step(Network& net, const AdaptiveLoss& loss, Tune& tune) {
+    if (!tune.wants_products()) {  // Adaptive::solve_interval: no products at this step
+      const auto t0 = std::chrono::steady_clock::now();
+      tune.apply_last();
+      for (const Param& p : params_) add_scaled(-1.0f, p.grad, p.value);
+      Kokkos::fence();
+      kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return;
+    }
     kfac::OutputProducts<float, ExecSpace> products;
     products.loss = loss.curvature;
     products.outputs = as_matrix(loss.logits);

@@ -92,6 +92,9 @@ void usage() {
       "                                  damping or KL clip to choose: --damping, --kl-clip, --lr-kfac,\n"
       "                                  --damping-start and --kl-clip-power are refused, and --lr and --momentum\n"
       "                                  unless another optimizer runs too (they are its settings then); one process\n"
+      "  --solve-every N                 with --adaptive: solve for the step size and momentum (two R-op passes)\n"
+      "                                  every N steps, reusing them in between (kfac::Adaptive::solve_interval;\n"
+      "                                  default 1)\n"
       "  --model-figures measured|defaults   machine figures of the K-FAC cost-model line: measured at start-up\n"
       "                                  by kfac::measure_machine_figures (about 1.5 s), or kfac::MachineFigures'\n"
       "                                  defaults (default measured)\n"
@@ -264,10 +267,14 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--eval-every") num(a.eval_every);
     else if (key == "--target-acc") num(a.target_acc);
     else if (key == "--stop-at-target") num(a.stop_at_target);
+    else if (key == "--solve-every") num(a.train.kfac.adaptive_solve_interval);
     else throw std::invalid_argument("unknown option " + key + " (see --help)");
   }
   if (a.epochs < 1 || a.train.batch < 1) throw std::invalid_argument("--epochs and --batch must be >= 1");
   if (a.train.kfac.adaptive) refuse_tuned_flags(given, a.optimizer);
+  if (a.train.kfac.adaptive_solve_interval < 1 ||
+      (a.train.kfac.adaptive_solve_interval != 1 && !a.train.kfac.adaptive))
+    throw std::invalid_argument("--solve-every: expected N >= 1, with --adaptive");
   if (a.train.recipe.name != "none" && a.train.recipe.name != "large-batch")
     throw std::invalid_argument("--recipe: expected none or large-batch");
   a.train.epochs = a.epochs;

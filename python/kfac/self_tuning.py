@@ -38,7 +38,9 @@ class SelfTuning:
             loss_reduction says); the model's output is what the loss takes.
         initial_damping, min_damping, max_damping, update_interval, damping_decay,
         lower_threshold, upper_threshold, weight_decay, use_momentum, adapt_damping,
-        rho_includes_damping: kfac::Adaptive's settings (docs/self_tuning.md, Attributes).
+        rho_includes_damping, solve_interval: kfac::Adaptive's settings (docs/self_tuning.md,
+            Attributes); solve_interval k: step() computes the products and solves every k steps
+            and reuses the last alpha and mu in between (apply_last()).
             weight_decay eta: step() adds eta * theta to the gradient and eta/2 ||theta||^2 to
             the loss the damping rule compares.
     """
@@ -59,6 +61,7 @@ class SelfTuning:
         use_momentum: bool = True,
         adapt_damping: bool = True,
         rho_includes_damping: bool = True,
+        solve_interval: int = 1,
     ) -> None:
         if getattr(preconditioner, 'conventions', None) != 'kfac':
             raise ValueError(
@@ -92,6 +95,7 @@ class SelfTuning:
             use_momentum=bool(use_momentum),
             adapt_damping=bool(adapt_damping),
             rho_includes_damping=bool(rho_includes_damping),
+            solve_interval=int(solve_interval),
         )
         settings.update(preconditioner._communicator)  # the same ranks: alpha, mu, lambda agree
         self._core = _kfac.SelfTuning(
@@ -138,12 +142,29 @@ class SelfTuning:
         ju = self._as_rows(along_previous, 'along_previous')
         grads = self._copy_in(keep=True)
         step = self._core.solve(z, jp, ju, kind, self.reduction, scale)
+        self._copy_out(grads)
+        return step
+
+    def _copy_out(self, grads: list[torch.Tensor | None]) -> None:
         with torch.no_grad():
             for (_, p), buf, g in zip(self._params, self._buffers, grads):
                 if g is None:
                     p.grad = buf.view_as(p).clone()
                 else:
                     g.copy_(buf.view_as(g))
+
+    def wants_products(self) -> bool:
+        """True when this step's update needs the products and solve() (every solve_interval
+        steps, and the first); when False, apply_last() does without them."""
+        return self._core.wants_products()
+
+    def apply_last(self) -> dict[str, Any]:
+        """Collective. After preconditioner.step(), on a step where wants_products() is False:
+        rewrites every trainable parameter's .grad to U = alpha P + mu U0 with the last solve's
+        alpha and mu, as solve() would have. Returns that solve's result."""
+        grads = self._copy_in(keep=True)
+        step = self._core.apply_last()
+        self._copy_out(grads)
         return step
 
     def wants_loss_change(self) -> bool:
@@ -191,6 +212,14 @@ class SelfTuning:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     p.grad.add_(p.detach(), alpha=self.weight_decay)
+        if not self.wants_products():  # solve_interval: the last alpha and mu, no products
+            self.preconditioner.step()
+            result = self.apply_last()
+            with torch.no_grad():
+                for _, p in self._params:
+                    p.sub_(p.grad)
+            result['loss'] = before
+            return result
         self.capture_gradient()
         self.preconditioner.step()
         proposal = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._params]
@@ -220,6 +249,11 @@ class SelfTuning:
     @property
     def solves(self) -> int:
         return self._core.solves()
+
+    @property
+    def steps(self) -> int:
+        """Updates formed so far: solves and apply_last() calls."""
+        return self._core.steps()
 
     @property
     def damping_updates(self) -> int:

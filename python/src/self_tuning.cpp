@@ -79,7 +79,8 @@ kfac::Adaptive adaptive_from(const py::dict& d) {
       .with_weight_decay(real("weight_decay", a.weight_decay))
       .with_momentum(flag("use_momentum", a.use_momentum))
       .with_damping_adaptation(flag("adapt_damping", a.adapt_damping))
-      .with_rho_including_damping(flag("rho_includes_damping", a.rho_includes_damping));
+      .with_rho_including_damping(flag("rho_includes_damping", a.rho_includes_damping))
+      .with_solve_interval(d.contains("solve_interval") ? d["solve_interval"].cast<long>() : a.solve_interval);
   return a;
 }
 
@@ -100,6 +101,9 @@ class Tuner {
   virtual at::Tensor previous_update(std::size_t i) const = 0;
   virtual bool wants_loss_change() const = 0;
   virtual kfac::AdaptiveStep solve(const Products& p) = 0;
+  virtual bool wants_products() const = 0;
+  virtual kfac::AdaptiveStep apply_last() = 0;
+  virtual long steps() const = 0;
   virtual kfac::DampingUpdate update_damping(double before, double after) = 0;
   virtual double lambda() const = 0;
   virtual double damping() const = 0;
@@ -145,6 +149,9 @@ class TunerOf final : public Tuner {
     o.along_previous = view(p.along_previous);
     return tune_.solve(o);
   }
+  bool wants_products() const override { return tune_.wants_products(); }
+  kfac::AdaptiveStep apply_last() override { return tune_.apply_last(); }
+  long steps() const override { return tune_.steps(); }
   kfac::DampingUpdate update_damping(double before, double after) override {
     return tune_.update_damping(before, after);
   }
@@ -281,6 +288,9 @@ void register_self_tuning(py::module_& m) {
       .def("lambda_", [](const PySelfTuning& p) { return p.tuner().lambda(); })
       .def("damping", [](const PySelfTuning& p) { return p.tuner().damping(); })
       .def("solves", [](const PySelfTuning& p) { return p.tuner().solves(); })
+      .def("steps", [](const PySelfTuning& p) { return p.tuner().steps(); })
+      .def("wants_products", [](const PySelfTuning& p) { return p.tuner().wants_products(); })
+      .def("apply_last", [](PySelfTuning& p) { return step_dict(p.tuner().apply_last()); })
       .def("damping_updates", [](const PySelfTuning& p) { return p.tuner().damping_updates(); })
       .def("last_step", [](const PySelfTuning& p) { return step_dict(p.tuner().last_step()); })
       .def("last_damping_update", [](const PySelfTuning& p) { return update_dict(p.tuner().last_damping_update()); })

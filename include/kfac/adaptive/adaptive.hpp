@@ -71,6 +71,7 @@ inline const char* to_string(LossCurvature c) {
 /// | bool | use_momentum | solve for \f$\mu\f$ (off: \f$\mu = 0\f$) | true |
 /// | bool | adapt_damping | run the Levenberg-Marquardt rule (off: \f$\lambda\f$ stays) | true |
 /// | bool | rho_includes_damping | \f$\rho\f$'s \f$M\f$ has \f$\frac12\lambda\|\delta\|^2\f$ (the paper's) | true |
+/// | long | solve_interval | steps per solve: products every k steps, apply_last() between | 1 (the paper's) |
 struct Adaptive {
   double initial_damping = 1e-3;
   double min_damping = 1e-4;
@@ -83,6 +84,7 @@ struct Adaptive {
   bool use_momentum = true;
   bool adapt_damping = true;
   bool rho_includes_damping = true;
+  long solve_interval = 1;
 
   /// \brief Sets \f$\lambda_0\f$. \param v [in] finite, > 0
   Adaptive& with_initial_damping(double v) {
@@ -132,6 +134,14 @@ struct Adaptive {
     return *this;
   }
 
+  /// \brief Solves the model every `v` steps and reuses its \f$\alpha, \mu\f$ in between
+  /// (SelfTuning::apply_last): the products, the host's dearest part of a step, every `v` steps.
+  /// \param v [in] >= 1 (1: every step)
+  Adaptive& with_solve_interval(long v) {
+    solve_interval = v;
+    return *this;
+  }
+
   /// \brief \f$\omega_1 = \mathrm{damping\_decay}^{T_1}\f$.
   double omega() const { return std::pow(damping_decay, double(update_interval)); }
 
@@ -155,6 +165,7 @@ struct Adaptive {
     if (!(upper_threshold > lower_threshold) || !std::isfinite(upper_threshold))
       bad("upper_threshold", upper_threshold, "a finite value > lower_threshold");
     if (!(weight_decay >= 0) || !std::isfinite(weight_decay)) bad("weight_decay", weight_decay, "a finite value >= 0");
+    if (solve_interval < 1) bad("solve_interval", double(solve_interval), "an interval >= 1");
   }
 
   /// \brief The settings as `name=value` lines (checkpoints compare them).
@@ -165,7 +176,7 @@ struct Adaptive {
        << "\nupdate_interval=" << update_interval << "\ndamping_decay=" << damping_decay
        << "\nlower_threshold=" << lower_threshold << "\nupper_threshold=" << upper_threshold
        << "\nweight_decay=" << weight_decay << "\nuse_momentum=" << use_momentum << "\nadapt_damping=" << adapt_damping
-       << "\nrho_includes_damping=" << rho_includes_damping << "\n";
+       << "\nrho_includes_damping=" << rho_includes_damping << "\nsolve_interval=" << solve_interval << "\n";
     return os.str();
   }
 };

@@ -72,7 +72,9 @@ struct CurvatureForms {
 /// previous_update() when needs_previous_product()) and calls solve(), which rewrites the buffers
 /// to the update U; the host then moves its parameters by \f$\theta \leftarrow \theta - U\f$
 /// (learning rate 1); (4) when wants_loss_change(), evaluates its loss at the new parameters on
-/// the same batch and calls update_damping(). The Preconditioner takes its damping from
+/// the same batch and calls update_damping(). With Adaptive::solve_interval > 1, on a step where
+/// wants_products() is false the host skips (1) and (3)'s products and calls apply_last() instead
+/// of solve(). The Preconditioner takes its damping from
 /// damping(). The whole objective is \f$h = \f$ the mean of the per-sample losses over every rank's
 /// batch (LossReduction::mean), or the mean over ranks of each rank's summed loss (sum); the
 /// gradient handed in must be that objective's (plus \f$\eta\theta\f$ with weight decay).
@@ -147,6 +149,8 @@ class SelfTuning {
   const Adaptive& settings() const { return settings_; }
   /// \brief Completed solves.
   long solves() const { return solves_; }
+  /// \brief Updates formed so far: solves and apply_last() calls.
+  long steps() const { return steps_; }
   /// \brief Completed damping updates.
   long damping_updates() const { return updates_; }
   /// \brief The last solve's result (all zero before the first).
@@ -161,6 +165,38 @@ class SelfTuning {
     for (auto& p : params_) Kokkos::deep_copy(exec_, p.gradient, p.buffer);
     started_ = true;
     captured_ = true;
+  }
+
+  /// \brief True when this step's update needs the host's products and solve(): at the first step
+  /// and at every Adaptive::solve_interval-th (steps 0, k, 2k, ...). When false the host may skip
+  /// capture_gradient() and its products and call apply_last() (solve() is accepted too).
+  bool wants_products() const { return solves_ == 0 || steps_ % settings_.solve_interval == 0; }
+
+  /// \brief Collective (one small agreement, no products). On a step where wants_products() is
+  /// false: rewrites each registered buffer to \f$U = \alpha P + \mu U_0\f$ with the last
+  /// solve's \f$\alpha, \mu\f$ (kept as the next \f$U_0\f$), as solve() would have with them;
+  /// the host then moves its parameters by \f$\theta \leftarrow \theta - U\f$. No damping update
+  /// follows it (the model was not solved at this step).
+  /// \return the last solve's result, whose \f$\alpha, \mu\f$ were applied
+  AdaptiveStep apply_last() {
+    std::optional<Error> mine;
+    try {
+      if (params_.empty()) throw Error("", "SelfTuning::apply_last: no parameter was registered (add_parameter)");
+      if (solves_ == 0) throw Error("", "SelfTuning::apply_last: no solve() yet (the first step solves)");
+      if (wants_products())
+        throw Error("", "SelfTuning::apply_last: this step's solve is due (wants_products(): step " +
+                            std::to_string(steps_) + ", Adaptive::solve_interval = " +
+                            std::to_string(settings_.solve_interval) + "): call solve()");
+    } catch (const Error& e) {
+      mine = e;
+    }
+    agree(mine, Call::apply_last);
+    for (auto& p : params_) impl::adaptive_update(exec_, p.buffer, p.previous, last_.alpha, last_.mu);
+    exec_.fence();
+    pending_ = false;
+    captured_ = false;
+    ++steps_;
+    return last_;
   }
 
   /// \brief True when the next solve() needs OutputProducts::along_previous (or
@@ -243,7 +279,7 @@ class SelfTuning {
     } catch (const Error& e) {
       mine = e;
     }
-    agree(mine, false);
+    agree(mine, Call::update_damping);
     double s[3] = {pending_weight_ * loss_before, pending_weight_ * loss_after, pending_weight_};
     comm_.sum(s, 3, sizeof(double), CommPrecision::native);
     DampingUpdate u;
@@ -269,6 +305,7 @@ class SelfTuning {
     w.put(std::uint32_t(sizeof(Scalar)));
     w.put(state_->lambda);
     w.put(solves_);
+    w.put(steps_);
     w.put(updates_);
     w.put(std::uint8_t(has_previous_));
     w.put(std::uint8_t(pending_));
@@ -302,7 +339,11 @@ class SelfTuning {
       const auto body = impl::read_checkpoint(is, version);
       content.assign(body.data(), body.size());
       impl::ByteReader r(body.data(), body.size());
-      if (r.get_string("tag") != kTag) throw Error("", "not a kfac::SelfTuning checkpoint");
+      const std::string tag = r.get_string("tag");
+      if (tag == "kfac::SelfTuning v1")
+        throw Error("", "SelfTuning::load: a kfac 0.3.0 checkpoint (kfac::SelfTuning v1), without the step count "
+                        "Adaptive::solve_interval needs: not loadable; start the tuning afresh");
+      if (tag != kTag) throw Error("", "not a kfac::SelfTuning checkpoint");
       const std::string settings = r.get_string("settings");
       if (settings != settings_.describe())
         throw Error("", "SelfTuning::load: the checkpoint's settings differ from this object's (checkpoint:\n" +
@@ -311,6 +352,7 @@ class SelfTuning {
         throw Error("", "SelfTuning::load: the checkpoint holds another Scalar type");
       l.lambda = r.get<double>("damping");
       l.solves = r.get<long>("solves");
+      l.steps = r.get<long>("steps");
       l.updates = r.get<long>("damping updates");
       l.has_previous = r.get<std::uint8_t>("previous flag") != 0;
       l.pending = r.get<std::uint8_t>("pending flag") != 0;
@@ -320,7 +362,8 @@ class SelfTuning {
                         &l.last_update.damping_before, &l.last_update.damping})
         *x = r.get<double>("last step");
       l.last.momentum = r.get<std::uint8_t>("last step") != 0;
-      if (!(l.lambda >= settings_.min_damping && l.lambda <= settings_.max_damping) || l.solves < 0 || l.updates < 0)
+      if (!(l.lambda >= settings_.min_damping && l.lambda <= settings_.max_damping) || l.solves < 0 ||
+          l.steps < l.solves || l.updates < 0)
         throw Error("", "SelfTuning::load: the checkpoint's damping or counters are out of range (corrupt)");
       const auto count = r.get<std::uint32_t>("parameter count");
       if (count != params_.size())
@@ -342,7 +385,7 @@ class SelfTuning {
     } catch (const Error& e) {
       mine = e;
     }
-    agree(mine, true);
+    agree(mine, Call::load);
     if (!comm_.all_equal(content))
       throw Error("", "SelfTuning::load: the ranks loaded different states; nothing was loaded");
     for (std::size_t k = 0; k < params_.size(); ++k) {
@@ -354,6 +397,7 @@ class SelfTuning {
     }
     state_->lambda = l.lambda;
     solves_ = l.solves;
+    steps_ = l.steps;
     updates_ = l.updates;
     has_previous_ = l.has_previous;
     pending_ = l.pending;
@@ -364,7 +408,14 @@ class SelfTuning {
   }
 
  private:
-  static constexpr const char* kTag = "kfac::SelfTuning v1";
+  static constexpr const char* kTag = "kfac::SelfTuning v2";  // v2: the step count (solve_interval)
+  /// Which collective call an agreement belongs to: ranks in different calls refuse together.
+  enum class Call : long { load = 0, solve = 1, update_damping = 2, apply_last = 3 };
+  static const char* call_name(Call c) {
+    return c == Call::solve ? "solve()" : c == Call::update_damping ? "update_damping()"
+                                        : c == Call::apply_last     ? "apply_last()"
+                                                                    : "load()";
+  }
   struct Shared {
     double lambda = 0;
   };
@@ -375,7 +426,7 @@ class SelfTuning {
   };
   struct Loaded {
     double lambda = 0, pending_weight = 0;
-    long solves = 0, updates = 0;
+    long solves = 0, steps = 0, updates = 0;
     bool has_previous = false, pending = false;
     AdaptiveStep last;
     DampingUpdate last_update;
@@ -433,13 +484,16 @@ class SelfTuning {
     if (p.loss != LossCurvature::squared_error) finite(p.outputs, "outputs");
   }
   /// One collective: the lowest rank with an error tells every rank, which all throw it; the
-  /// ranks' counters must agree. Throws on every rank alike.
-  void agree(const std::optional<Error>& mine, bool loading) {
+  /// ranks' counters and the call they are in (`call`: a rank in apply_last() while another is
+  /// in solve() must not go on to unmatched sums) must agree. Throws on every rank alike.
+  void agree(const std::optional<Error>& mine, Call call) {
     const int world = comm_.size(), rank = comm_.rank();
-    long v[5] = {mine ? long(world - rank) : 0L, 0, 0, 0, 0};
+    const bool loading = call == Call::load;
+    long v[7] = {mine ? long(world - rank) : 0L, 0, 0, 0, 0, 0, 0};
     impl::put_same_pair(v + 1, loading ? 0L : solves_);
     impl::put_same_pair(v + 3, loading ? 0L : long(has_previous_) + 2 * long(pending_));
-    if (world > 1) comm_.allreduce_max(v, 5);
+    impl::put_same_pair(v + 5, loading ? 0L : 4 * steps_ + long(call));
+    if (world > 1) comm_.allreduce_max(v, 7);
     if (v[0] > 0) {
       const int root = world - int(v[0]);
       if (world == 1) throw *mine;
@@ -447,9 +501,10 @@ class SelfTuning {
       const std::string what = comm_.broadcast_string(mine && rank == root ? impl::bare_message(*mine) : "", root);
       throw Error(layer, what + " (on rank " + std::to_string(root) + "; nothing changed on any rank)");
     }
-    if (!impl::same_on_every_rank(v + 1) || !impl::same_on_every_rank(v + 3))
-      throw Error("", "SelfTuning: the ranks are at different solves (rank " + std::to_string(rank) + " has made " +
-                          std::to_string(solves_) + "); nothing changed on any rank");
+    if (!impl::same_on_every_rank(v + 1) || !impl::same_on_every_rank(v + 3) || !impl::same_on_every_rank(v + 5))
+      throw Error("", "SelfTuning: the ranks are at different steps or calls (rank " + std::to_string(rank) +
+                          " has made " + std::to_string(solves_) + " solves in " + std::to_string(steps_) +
+                          " steps and is in " + call_name(call) + "); nothing changed on any rank");
   }
   /// This rank's checks and curvature sums (`forms(two, local)` fills local[3], returns the
   /// rank's weight, or throws what is wrong), then the collective solve.
@@ -482,7 +537,7 @@ class SelfTuning {
         }
       }
     }
-    agree(mine, false);
+    agree(mine, Call::solve);
     comm_.sum(s, 9, sizeof(double), CommPrecision::native);
     const double ranks = double(comm_.size());
     t.fpp = s[1] / s[0];
@@ -517,6 +572,7 @@ class SelfTuning {
     has_previous_ = true;
     captured_ = false;
     ++solves_;
+    ++steps_;
     return step;
   }
 
@@ -526,7 +582,7 @@ class SelfTuning {
   std::shared_ptr<Shared> state_;  ///< \f$\lambda\f$, shared with the damping() hyperparameter
   std::vector<Param> params_;
   bool started_ = false, captured_ = false, has_previous_ = false, pending_ = false;
-  long solves_ = 0, updates_ = 0;
+  long solves_ = 0, steps_ = 0, updates_ = 0;
   double pending_weight_ = 0;  ///< this rank's weight of its loss (its batch, or 1 for summed losses)
   AdaptiveStep last_;
   DampingUpdate last_update_;
