@@ -326,7 +326,7 @@ struct Trainer {
   Tuning tune;
   Pre pre;
   long steps = 0;
-  std::vector<double> alphas;
+  std::vector<double> alphas, mus;
   explicit Trainer(const kfac::Adaptive& a = kfac::Adaptive{}.with_initial_damping(0.5).with_update_interval(2))
       : tune(a), pre(kfac::Options{}.with_damping(tune.damping()).with_kl_clip(0.0).with_inv_update_steps(1)) {
     pre.register_layer("fc1", kfac::Dense(5, 6));
@@ -372,6 +372,7 @@ struct Trainer {
     const double lambda = tune.lambda();
     const auto st = tune.solve(prod);
     alphas.push_back(st.alpha);
+    mus.push_back(st.mu);
     if (check) {
       const long double n = b.n();
       const bool two = !u0.empty();
@@ -395,21 +396,32 @@ struct Trainer {
     ++steps;
     return before;
   }
-  /// A step without products (Adaptive::solve_interval): apply_last() gives exactly
-  /// alpha P + mu U0 with the last solve's alpha and mu, and no damping update follows.
+  /// The mean of v[1..] with weight 0.9^(later entries) (SelfTuning's reused step), in long double.
+  static long double weighted_mean(const std::vector<double>& v) {
+    long double sum = 0, weight = 0;
+    for (std::size_t j = 1; j < v.size(); ++j) {
+      const long double w = std::pow(0.9L, (long double)(v.size() - 1 - j));
+      sum += w * v[j];
+      weight += w;
+    }
+    return sum / weight;
+  }
+  /// A step without products (Adaptive::solve_interval): apply_last() gives alpha P + mu U0 with
+  /// alpha, mu the weighted means of the solves after the first, and no damping update follows.
   double reuse(double before, const Flat& p) {
     Flat u0;
     for (const char* name : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}) {
       const auto v = tune.previous_update(name);
       u0.insert(u0.end(), v.data(), v.data() + v.size());
     }
-    const kfac::AdaptiveStep last = tune.last_step();
     const long solves = tune.solves(), updates = tune.damping_updates();
     const auto st = tune.apply_last();
-    CHECK(st.alpha == last.alpha);
-    CHECK(st.mu == last.mu);
+    const long double alpha = weighted_mean(alphas), mu = weighted_mean(mus);
+    CHECK(close(st.alpha, double(alpha), 1e-13));
+    CHECK(close(st.mu, double(mu), 1e-13));
+    CHECK(st.alpha != alphas.back());  // not the last solve's
     const Flat u = Net::flat(net.grads());
-    for (std::size_t i = 0; i < u.size(); ++i) CHECK(close(u[i], last.alpha * p[i] + last.mu * u0[i], 1e-14));
+    for (std::size_t i = 0; i < u.size(); ++i) CHECK(close(u[i], double(alpha * p[i] + mu * u0[i]), 1e-12));
     CHECK(tune.solves() == solves);
     CHECK(!tune.wants_loss_change());
     CHECK(tune.damping_updates() == updates);
@@ -563,19 +575,24 @@ TEST_CASE("Bad input is a kfac::Error naming what is wrong, and changes nothing"
 
 TEST_CASE("Adaptive::solve_interval: products every k steps, the last alpha and mu reused in between",
           "[adaptive][interval]") {
-  const auto every3 = kfac::Adaptive{}.with_initial_damping(0.5).with_update_interval(2).with_solve_interval(3);
+  const auto every3 = kfac::Adaptive{}.with_initial_damping(0.5).with_update_interval(2).with_solve_interval(3)
+                          .with_solve_warmup(3);
   Trainer tr(every3);
   const Batch probe(64, 5, 4, 999);
   const double first = tr.net.loss_at(probe);
   std::vector<bool> wanted;
-  for (int s = 0; s < 9; ++s) {
+  for (int s = 0; s < 12; ++s) {
     wanted.push_back(tr.tune.wants_products());
     tr.step(true);
   }
-  CHECK(wanted == std::vector<bool>{true, false, false, true, false, false, true, false, false});
-  CHECK(tr.tune.solves() == 3);
-  CHECK(tr.tune.steps() == 9);
-  CHECK(tr.tune.damping_updates() == 1);  // after the 2nd solve (T1 = 2 solves)
+  // Warm-up: steps 0-2 solve; then every 3rd step.
+  CHECK(wanted == std::vector<bool>{true, true, true, true, false, false, true, false, false, true, false, false});
+  CHECK(tr.tune.solves() == 6);
+  CHECK(tr.tune.steps() == 12);
+  CHECK(tr.tune.damping_updates() == 3);  // after solves 2, 4 and 6 (T1 = 2 solves)
+  // The interval's default, 1: every step solves, warm-up or not.
+  Tuning every(kfac::Adaptive{}.with_solve_warmup(2));
+  CHECK(every.wants_products());
   CHECK(tr.net.loss_at(probe) < first);
 
   // apply_last() when the solve is due, or before any solve: refused, nothing changed.
@@ -584,13 +601,14 @@ TEST_CASE("Adaptive::solve_interval: products every k steps, the last alpha and 
   const Snapshot before = Snapshot::of(tr.tune, {Net::flat(tr.net.grads())}, names);
   CHECK_THROWS_WITH(tr.tune.apply_last(), Catch::Contains("this step's solve is due"));
   CHECK(Snapshot::of(tr.tune, {Net::flat(tr.net.grads())}, names) == before);
-  CHECK(tr.tune.steps() == 9);
+  CHECK(tr.tune.steps() == 12);
   Tuning fresh(every3);
   M w("w", 2, 3);
   fresh.add_parameter("w", w);
-  CHECK_THROWS_WITH(fresh.apply_last(), Catch::Contains("no solve() yet"));
+  CHECK_THROWS_WITH(fresh.apply_last(), Catch::Contains("0 solves so far"));
   CHECK(fresh.steps() == 0);
   CHECK_THROWS_WITH(Tuning(kfac::Adaptive{}.with_solve_interval(0)), Catch::Contains("solve_interval"));
+  CHECK_THROWS_WITH(Tuning(kfac::Adaptive{}.with_solve_warmup(1)), Catch::Contains("solve_warmup"));
 
   // A checkpoint taken between two solves resumes bit for bit.
   Trainer straight(every3);
@@ -605,6 +623,8 @@ TEST_CASE("Adaptive::solve_interval: products every k steps, the last alpha and 
   resumed.pre.load(pre_ckpt);
   resumed.tune.load(tune_ckpt);
   resumed.steps = 4;
+  resumed.alphas = part.alphas;  // the test's own record, for reuse()'s check
+  resumed.mus = part.mus;
   CHECK(resumed.tune.steps() == 4);
   CHECK(!resumed.tune.wants_products());
   for (int s = 4; s < 8; ++s) resumed.step(false);

@@ -38,9 +38,10 @@ class SelfTuning:
             loss_reduction says); the model's output is what the loss takes.
         initial_damping, min_damping, max_damping, update_interval, damping_decay,
         lower_threshold, upper_threshold, weight_decay, use_momentum, adapt_damping,
-        rho_includes_damping, solve_interval: kfac::Adaptive's settings (docs/self_tuning.md,
-            Attributes); solve_interval k: step() computes the products and solves every k steps
-            and reuses the last alpha and mu in between (apply_last()).
+        rho_includes_damping, solve_interval, solve_warmup: kfac::Adaptive's settings
+            (docs/self_tuning.md, Attributes); solve_interval k: after the first solve_warmup
+            steps, step() computes the products and solves every k steps and in between
+            (apply_last()) uses the weighted means of the solves' alpha and mu.
             weight_decay eta: step() adds eta * theta to the gradient and eta/2 ||theta||^2 to
             the loss the damping rule compares.
     """
@@ -62,6 +63,7 @@ class SelfTuning:
         adapt_damping: bool = True,
         rho_includes_damping: bool = True,
         solve_interval: int = 1,
+        solve_warmup: int = 10,
     ) -> None:
         if getattr(preconditioner, 'conventions', None) != 'kfac':
             raise ValueError(
@@ -96,6 +98,7 @@ class SelfTuning:
             adapt_damping=bool(adapt_damping),
             rho_includes_damping=bool(rho_includes_damping),
             solve_interval=int(solve_interval),
+            solve_warmup=int(solve_warmup),
         )
         settings.update(preconditioner._communicator)  # the same ranks: alpha, mu, lambda agree
         self._core = _kfac.SelfTuning(
@@ -154,14 +157,17 @@ class SelfTuning:
                     g.copy_(buf.view_as(g))
 
     def wants_products(self) -> bool:
-        """True when this step's update needs the products and solve() (every solve_interval
-        steps, and the first); when False, apply_last() does without them."""
+        """True when this step's update needs the products and solve() (each of the first
+        solve_warmup steps, then every solve_interval steps); when False, apply_last() does
+        without them."""
         return self._core.wants_products()
 
     def apply_last(self) -> dict[str, Any]:
         """Collective. After preconditioner.step(), on a step where wants_products() is False:
-        rewrites every trainable parameter's .grad to U = alpha P + mu U0 with the last solve's
-        alpha and mu, as solve() would have. Returns that solve's result."""
+        rewrites every trainable parameter's .grad to U = alpha P + mu U0 with alpha and mu the
+        means of the solves' values after the first, each solve's weight falling by 0.9 per later
+        solve (kfac::SelfTuning::reused_step). Returns the last solve's result with the alpha and
+        mu applied."""
         grads = self._copy_in(keep=True)
         step = self._core.apply_last()
         self._copy_out(grads)
@@ -212,7 +218,7 @@ class SelfTuning:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     p.grad.add_(p.detach(), alpha=self.weight_decay)
-        if not self.wants_products():  # solve_interval: the last alpha and mu, no products
+        if not self.wants_products():  # solve_interval: the solves' mean alpha and mu, no products
             self.preconditioner.step()
             result = self.apply_last()
             with torch.no_grad():

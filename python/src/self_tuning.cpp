@@ -80,7 +80,8 @@ kfac::Adaptive adaptive_from(const py::dict& d) {
       .with_momentum(flag("use_momentum", a.use_momentum))
       .with_damping_adaptation(flag("adapt_damping", a.adapt_damping))
       .with_rho_including_damping(flag("rho_includes_damping", a.rho_includes_damping))
-      .with_solve_interval(d.contains("solve_interval") ? d["solve_interval"].cast<long>() : a.solve_interval);
+      .with_solve_interval(d.contains("solve_interval") ? d["solve_interval"].cast<long>() : a.solve_interval)
+      .with_solve_warmup(d.contains("solve_warmup") ? d["solve_warmup"].cast<long>() : a.solve_warmup);
   return a;
 }
 

@@ -308,35 +308,42 @@ def test_two_gloo_processes_equal_one_process(tmp_path) -> None:
         assert (a[4] is None) == (b[4] is None) and (a[4] is None or a[4] == pytest.approx(b[4], rel=1e-7))
 
 
-def test_solve_interval_reuses_the_last_alpha_and_mu_between_solves() -> None:
+def test_solve_interval_reuses_the_mean_alpha_and_mu_between_solves() -> None:
     x, y = _problem()
     model = _mlp(seed=1, width=16)
     pre = kfac.KFACPreconditioner(model, **dict(SETTINGS, inv_update_steps=5, factor_decay=0.95))
-    tune = kfac.SelfTuning(pre, initial_damping=1.0, update_interval=5, solve_interval=3)
+    tune = kfac.SelfTuning(pre, initial_damping=1.0, update_interval=5, solve_interval=3, solve_warmup=3)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         start = float(torch.nn.functional.cross_entropy(model(x), y))
     wanted = []
+    solved = []  # (alpha, mu) of each solve
     for step in range(30):
         rows = torch.randint(0, len(x), (64,), generator=g)
         _backward(model, 'cross_entropy', x[rows], y[rows])
         wanted.append(tune.wants_products())
-        if step == 4:  # by hand: apply_last() gives alpha P + mu U0 with the last solve's alpha, mu
-            last = tune.last_step
+        if step == 4:  # by hand: alpha P + mu U0 with the solves' weighted means, the first left out
+            weights = [0.9 ** (len(solved) - 1 - j) for j in range(1, len(solved))]
+            alpha = sum(w * a for w, (a, _) in zip(weights, solved[1:])) / sum(weights)
+            mu = sum(w * m for w, (_, m) in zip(weights, solved[1:])) / sum(weights)
             u0 = tune.previous_update()
             pre.step()
             p = {n: q.grad.clone() for n, q in model.named_parameters()}
             r = tune.apply_last()
-            assert r['alpha'] == last['alpha'] and r['mu'] == last['mu']
+            assert r['alpha'] == pytest.approx(alpha, rel=1e-12) and r['mu'] == pytest.approx(mu, rel=1e-12, abs=1e-15)
+            assert r['alpha'] != solved[-1][0]
             for n, q in model.named_parameters():
-                torch.testing.assert_close(q.grad, last['alpha'] * p[n] + last['mu'] * u0[n], rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(q.grad, alpha * p[n] + mu * u0[n], rtol=1e-6, atol=1e-7)
             with torch.no_grad():
                 for q in model.parameters():
                     q.sub_(q.grad)
         else:
-            tune.step(x[rows], y[rows])
-    assert wanted == [True, False, False] * 10
-    assert tune.solves == 10 and tune.steps == 30 and tune.damping_updates == 2
+            solves = tune.solves
+            r = tune.step(x[rows], y[rows])
+            if tune.solves > solves:
+                solved.append((r['alpha'], r['mu']))
+    assert wanted == [True] * 4 + [False, False, True] * 8 + [False, False]
+    assert tune.solves == 12 and tune.steps == 30 and tune.damping_updates == 2
     with torch.no_grad():
         end = float(torch.nn.functional.cross_entropy(model(x), y))
     assert end < 0.5 * start, (start, end)

@@ -72,6 +72,7 @@ inline const char* to_string(LossCurvature c) {
 /// | bool | adapt_damping | run the Levenberg-Marquardt rule (off: \f$\lambda\f$ stays) | true |
 /// | bool | rho_includes_damping | \f$\rho\f$'s \f$M\f$ has \f$\frac12\lambda\|\delta\|^2\f$ (the paper's) | true |
 /// | long | solve_interval | steps per solve: products every k steps, apply_last() between | 1 (the paper's) |
+/// | long | solve_warmup | with solve_interval > 1: the first solves, taken every step | 10 |
 struct Adaptive {
   double initial_damping = 1e-3;
   double min_damping = 1e-4;
@@ -85,6 +86,7 @@ struct Adaptive {
   bool adapt_damping = true;
   bool rho_includes_damping = true;
   long solve_interval = 1;
+  long solve_warmup = 10;
 
   /// \brief Sets \f$\lambda_0\f$. \param v [in] finite, > 0
   Adaptive& with_initial_damping(double v) {
@@ -141,6 +143,12 @@ struct Adaptive {
     solve_interval = v;
     return *this;
   }
+  /// \brief With solve_interval > 1: the first `v` steps solve (the reused \f$\alpha, \mu\f$ are
+  /// the mean of the solves after the first, so they need some). \param v [in] >= 2
+  Adaptive& with_solve_warmup(long v) {
+    solve_warmup = v;
+    return *this;
+  }
 
   /// \brief \f$\omega_1 = \mathrm{damping\_decay}^{T_1}\f$.
   double omega() const { return std::pow(damping_decay, double(update_interval)); }
@@ -166,6 +174,7 @@ struct Adaptive {
       bad("upper_threshold", upper_threshold, "a finite value > lower_threshold");
     if (!(weight_decay >= 0) || !std::isfinite(weight_decay)) bad("weight_decay", weight_decay, "a finite value >= 0");
     if (solve_interval < 1) bad("solve_interval", double(solve_interval), "an interval >= 1");
+    if (solve_warmup < 2) bad("solve_warmup", double(solve_warmup), "a count >= 2 (the first solve is not reused)");
   }
 
   /// \brief The settings as `name=value` lines (checkpoints compare them).
@@ -176,7 +185,8 @@ struct Adaptive {
        << "\nupdate_interval=" << update_interval << "\ndamping_decay=" << damping_decay
        << "\nlower_threshold=" << lower_threshold << "\nupper_threshold=" << upper_threshold
        << "\nweight_decay=" << weight_decay << "\nuse_momentum=" << use_momentum << "\nadapt_damping=" << adapt_damping
-       << "\nrho_includes_damping=" << rho_includes_damping << "\nsolve_interval=" << solve_interval << "\n";
+       << "\nrho_includes_damping=" << rho_includes_damping << "\nsolve_interval=" << solve_interval
+       << "\nsolve_warmup=" << solve_warmup << "\n";
     return os.str();
   }
 };

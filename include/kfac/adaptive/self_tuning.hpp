@@ -167,22 +167,34 @@ class SelfTuning {
     captured_ = true;
   }
 
-  /// \brief True when this step's update needs the host's products and solve(): at the first step
-  /// and at every Adaptive::solve_interval-th (steps 0, k, 2k, ...). When false the host may skip
-  /// capture_gradient() and its products and call apply_last() (solve() is accepted too).
-  bool wants_products() const { return solves_ == 0 || steps_ % settings_.solve_interval == 0; }
+  /// \brief True when this step's update needs the host's products and solve(): at each of the
+  /// first Adaptive::solve_warmup steps, then at every Adaptive::solve_interval-th step (always
+  /// with the default interval 1). When false the host may skip capture_gradient() and its
+  /// products and call apply_last() (solve() is accepted too).
+  bool wants_products() const {
+    return settings_.solve_interval == 1 || solves_ < settings_.solve_warmup || steps_ % settings_.solve_interval == 0;
+  }
+  /// \brief The \f$\alpha, \mu\f$ apply_last() uses: the means of the solves' values after the
+  /// first, each solve's weight falling by kReuseDecay per later solve (0 before the second solve).
+  std::pair<double, double> reused_step() const {
+    if (!(reuse_weight_ > 0)) return {0.0, 0.0};
+    return {reuse_alpha_ / reuse_weight_, reuse_mu_ / reuse_weight_};
+  }
 
   /// \brief Collective (one small agreement, no products). On a step where wants_products() is
-  /// false: rewrites each registered buffer to \f$U = \alpha P + \mu U_0\f$ with the last
-  /// solve's \f$\alpha, \mu\f$ (kept as the next \f$U_0\f$), as solve() would have with them;
-  /// the host then moves its parameters by \f$\theta \leftarrow \theta - U\f$. No damping update
-  /// follows it (the model was not solved at this step).
-  /// \return the last solve's result, whose \f$\alpha, \mu\f$ were applied
+  /// false: rewrites each registered buffer to \f$U = \bar\alpha P + \bar\mu U_0\f$ with
+  /// reused_step()'s means of the past solves (one batch's \f$\alpha, \mu\f$ are noisy: reused
+  /// alone they made the demo diverge), kept as the next \f$U_0\f$; the host then moves its
+  /// parameters by \f$\theta \leftarrow \theta - U\f$. No damping update follows it (the model
+  /// was not solved at this step).
+  /// \return the last solve's result with the \f$\alpha, \mu\f$ that were applied
   AdaptiveStep apply_last() {
     std::optional<Error> mine;
     try {
       if (params_.empty()) throw Error("", "SelfTuning::apply_last: no parameter was registered (add_parameter)");
-      if (solves_ == 0) throw Error("", "SelfTuning::apply_last: no solve() yet (the first step solves)");
+      if (solves_ < 2)
+        throw Error("", "SelfTuning::apply_last: " + std::to_string(solves_) +
+                            " solves so far; the reused step size is the mean of the solves after the first");
       if (wants_products())
         throw Error("", "SelfTuning::apply_last: this step's solve is due (wants_products(): step " +
                             std::to_string(steps_) + ", Adaptive::solve_interval = " +
@@ -191,12 +203,14 @@ class SelfTuning {
       mine = e;
     }
     agree(mine, Call::apply_last);
-    for (auto& p : params_) impl::adaptive_update(exec_, p.buffer, p.previous, last_.alpha, last_.mu);
+    AdaptiveStep applied = last_;
+    std::tie(applied.alpha, applied.mu) = reused_step();
+    for (auto& p : params_) impl::adaptive_update(exec_, p.buffer, p.previous, applied.alpha, applied.mu);
     exec_.fence();
     pending_ = false;
     captured_ = false;
     ++steps_;
-    return last_;
+    return applied;
   }
 
   /// \brief True when the next solve() needs OutputProducts::along_previous (or
@@ -307,6 +321,7 @@ class SelfTuning {
     w.put(solves_);
     w.put(steps_);
     w.put(updates_);
+    for (double x : {reuse_alpha_, reuse_mu_, reuse_weight_}) w.put(x);
     w.put(std::uint8_t(has_previous_));
     w.put(std::uint8_t(pending_));
     w.put(pending_weight_);
@@ -354,6 +369,7 @@ class SelfTuning {
       l.solves = r.get<long>("solves");
       l.steps = r.get<long>("steps");
       l.updates = r.get<long>("damping updates");
+      for (double* x : {&l.reuse_alpha, &l.reuse_mu, &l.reuse_weight}) *x = r.get<double>("reused step");
       l.has_previous = r.get<std::uint8_t>("previous flag") != 0;
       l.pending = r.get<std::uint8_t>("pending flag") != 0;
       l.pending_weight = r.get<double>("pending weight");
@@ -362,8 +378,7 @@ class SelfTuning {
                         &l.last_update.damping_before, &l.last_update.damping})
         *x = r.get<double>("last step");
       l.last.momentum = r.get<std::uint8_t>("last step") != 0;
-      if (!(l.lambda >= settings_.min_damping && l.lambda <= settings_.max_damping) || l.solves < 0 ||
-          l.steps < l.solves || l.updates < 0)
+      if (!l.in_range(settings_))
         throw Error("", "SelfTuning::load: the checkpoint's damping or counters are out of range (corrupt)");
       const auto count = r.get<std::uint32_t>("parameter count");
       if (count != params_.size())
@@ -399,6 +414,9 @@ class SelfTuning {
     solves_ = l.solves;
     steps_ = l.steps;
     updates_ = l.updates;
+    reuse_alpha_ = l.reuse_alpha;
+    reuse_mu_ = l.reuse_mu;
+    reuse_weight_ = l.reuse_weight;
     has_previous_ = l.has_previous;
     pending_ = l.pending;
     pending_weight_ = l.pending_weight;
@@ -408,7 +426,8 @@ class SelfTuning {
   }
 
  private:
-  static constexpr const char* kTag = "kfac::SelfTuning v2";  // v2: the step count (solve_interval)
+  static constexpr const char* kTag = "kfac::SelfTuning v2";  // v2: the step count and the reused means
+  static constexpr double kReuseDecay = 0.9;  ///< reused_step(): a solve's weight per later solve
   /// Which collective call an agreement belongs to: ranks in different calls refuse together.
   enum class Call : long { load = 0, solve = 1, update_damping = 2, apply_last = 3 };
   static const char* call_name(Call c) {
@@ -425,7 +444,11 @@ class SelfTuning {
     owned_type gradient, previous;
   };
   struct Loaded {
-    double lambda = 0, pending_weight = 0;
+    double lambda = 0, pending_weight = 0, reuse_alpha = 0, reuse_mu = 0, reuse_weight = 0;
+    bool in_range(const Adaptive& a) const {
+      return lambda >= a.min_damping && lambda <= a.max_damping && solves >= 0 && steps >= solves && updates >= 0 &&
+             std::isfinite(reuse_alpha) && std::isfinite(reuse_mu) && reuse_weight >= 0 && std::isfinite(reuse_weight);
+    }
     long solves = 0, steps = 0, updates = 0;
     bool has_previous = false, pending = false;
     AdaptiveStep last;
@@ -567,6 +590,11 @@ class SelfTuning {
     for (auto& p : params_) impl::adaptive_update(exec_, p.buffer, p.previous, step.alpha, step.mu);
     exec_.fence();
     last_ = step;
+    if (solves_ > 0) {  // the first solve's proposal comes from one batch's factors: not reused
+      reuse_alpha_ = kReuseDecay * reuse_alpha_ + step.alpha;
+      reuse_mu_ = kReuseDecay * reuse_mu_ + step.mu;
+      reuse_weight_ = kReuseDecay * reuse_weight_ + 1.0;
+    }
     pending_weight_ = s[0] > 0 ? weight : 0;
     pending_ = true;
     has_previous_ = true;
@@ -583,6 +611,7 @@ class SelfTuning {
   std::vector<Param> params_;
   bool started_ = false, captured_ = false, has_previous_ = false, pending_ = false;
   long solves_ = 0, steps_ = 0, updates_ = 0;
+  double reuse_alpha_ = 0, reuse_mu_ = 0, reuse_weight_ = 0;  ///< reused_step()'s weighted sums
   double pending_weight_ = 0;  ///< this rank's weight of its loss (its batch, or 1 for summed losses)
   AdaptiveStep last_;
   DampingUpdate last_update_;
