@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "torch_errors.hpp"
+
 namespace {
 
 using Host = kfac::impl::TorchExec;
@@ -242,17 +244,8 @@ struct TwoImpl : torch::nn::Module {
   }
 };
 
-template <class F>
-std::string error_of(F&& f, std::string* layer = nullptr) {
-  try {
-    f();
-  } catch (const kfac::Error& e) {
-    if (layer) *layer = e.layer();
-    return e.what();
-  }
-  return "(no kfac::Error)";
-}
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using kfac_test::error_of;
+using kfac_test::has;
 }  // namespace
 
 TEST_CASE("torch adapter: unsupported modules are named at registration", "[torch][adapter][errors]") {

@@ -32,11 +32,14 @@ def _own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(module.parameters(recurse=False))
 
 
-def _type_name(module: torch.nn.Module) -> str:
+def _class_name(cls: type) -> str:
     """'torch.nn.Conv2d' for PyTorch's own modules, 'package.module.Class' for others."""
-    cls = type(module)
     where = 'torch.nn' if cls.__module__.startswith('torch.nn.modules.') else cls.__module__
     return f'{where}.{cls.__qualname__}'
+
+
+def _type_name(module: torch.nn.Module) -> str:
+    return _class_name(type(module))
 
 
 _CONVENTIONS = ('kfac-pytorch', 'kfac')
@@ -115,6 +118,11 @@ def register_module(
     if kind not in kinds:
         raise ValueError(f"register_module: kind {kind!r} is not one of the core's kinds ({', '.join(kinds)})")
     _MODULE_KINDS.append(_ModuleKind(module_type, kind, describe, subclasses, input, output_grad))
+
+
+def _registered_types() -> str:
+    """The module classes registered now (register_module), each once, for the core's messages."""
+    return ', '.join(dict.fromkeys(_class_name(k.module_type) for k in _MODULE_KINDS))
 
 
 def _kind_of(module: torch.nn.Module, conventions: str) -> tuple[_ModuleKind, dict[str, Any]] | None:

@@ -363,9 +363,15 @@ TorchModuleSpec spec_from(const py::dict& d) {
   return s;
 }
 
+/// The module classes registered with kfac.register_module now, as Python spells them.
+std::string python_module_types() {
+  py::gil_scoped_acquire gil;
+  return py::module_::import("kfac.preconditioner").attr("_registered_types")().cast<std::string>();
+}
+
 const kfac::impl::TorchFrontEnd& python_front_end() {
   static const kfac::impl::TorchFrontEnd f{
-      "KFACPreconditioner", "torch.nn.Linear, Conv2d, BatchNorm2d, LayerNorm or Embedding",
+      "KFACPreconditioner", python_module_types,
       "add its name or class to skip_layers to leave it to the optimizer alone", "accumulation_steps",
       "its forward-pre hook did not fire on this factor-update step (was it called in training mode, with autograd "
       "on, through module(x) rather than functionally?)",

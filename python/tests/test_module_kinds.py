@@ -96,3 +96,23 @@ def test_register_module_refuses_what_it_cannot_map() -> None:
         kfac.register_module(Scale, 'scale', lambda m, conventions: {})
     with pytest.raises(TypeError, match='is not a torch.nn.Module class'):
         kfac.register_module(int, 'linear', lambda m, conventions: {})
+
+
+def test_the_refusal_names_the_module_classes_registered_now() -> None:
+    """The core's refusal of a module no kind takes lists the classes registered at that moment."""
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4), torch.nn.Linear(4, 2))
+
+    def refusal() -> str:
+        with pytest.raises(kfac.KFACError) as info:
+            kfac.KFACPreconditioner(model, strict=True)
+        return str(info.value)
+
+    assert '.Scale' not in refusal()
+    before = list(kfac_preconditioner._MODULE_KINDS)
+    try:
+        kfac.register_module(Scale, 'layer_norm', lambda m, conventions: {'num_features': m.weight.numel(), 'eps': 0.0})
+        text = refusal()
+    finally:
+        kfac_preconditioner._MODULE_KINDS[:] = before
+    assert '(supported: torch.nn.Linear, torch.nn.Conv2d, ' in text, text
+    assert f'torch.nn.Embedding, {Scale.__module__}.Scale); ' in text, text

@@ -23,7 +23,11 @@
 /// modes, asymmetric 'same' padding, an Embedding with sparse gradients or scale_grad_by_freq (or,
 /// with float32 parameters, more than 2^24 ids), or any other module owning parameters (an
 /// EmbeddingBag, a custom module with its own parameters) — is named in a kfac::Error unless it is
-/// skipped: its parameters are never left unpreconditioned silently.
+/// skipped: its parameters are never left unpreconditioned silently. With
+/// TorchOptions::with_fallback(TorchFallback::diagonal), a module with parameters that no registered
+/// kind takes (MultiheadAttention with its out_proj, a custom module, a module sharing a parameter)
+/// instead has each parameter registered on its own under kfac::DiagonalFisher ("attn.in_proj_weight";
+/// a shared parameter once, under its first owner), observed() counting its calls' samples.
 ///
 /// **Inputs.** LibTorch 1.13's C++ modules have no forward hooks (and `forward` is not
 /// virtual), so nothing can intercept `conv1(x)`. The least intrusive way that works is a call
@@ -49,9 +53,11 @@
 #include <torch/torch.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <typeinfo>
 #include <unordered_map>
 #include <vector>
 
@@ -72,18 +78,26 @@ enum class TokenReduction {
   reduce,  ///< per sequence: inputs averaged and output gradients summed over tokens (K-FAC-reduce)
 };
 
+/// \brief What a module with trainable parameters that no registered kind takes gets.
+enum class TorchFallback {
+  none,      ///< a kfac::Error naming the module, unless TorchOptions::with_skip leaves it out (default)
+  diagonal,  ///< each of its parameters on its own: kfac::Parameter under kfac::DiagonalFisher
+};
+
 /// \brief The adapter's own settings (kfac's are in kfac::Options).
 ///
 /// | type | name | description | default |
 /// |---|---|---|---|
-/// | vector<string> | skip | module paths (glob: `*` any run of characters, `?` one) or types (`Conv2d`, `torch::nn::Conv2d`, `torch::nn::Conv2dImpl`, kfac kinds `dense`, `conv2d`, `batch_norm`, `layer_norm`, `embedding`) left out | {} |
+/// | vector<string> | skip | module paths (glob: `*` any run of characters, `?` one) or types (`Conv2d`, `torch::nn::Conv2d`, `torch::nn::Conv2dImpl`, or a kfac kind: `dense`, `conv2d`, ... as registered, `parameter` for the fallback's modules) left out | {} |
 /// | TokenReduction | tokens | how Linear modules reduce 3-D inputs | none |
 /// | long | accumulation_steps | k: each precondition() follows k micro-batches whose losses were each divided by k (PyTorch's gradient-accumulation recipe); output gradients are multiplied by k so that G is the per-sample factor, as for the one batch of all k micro-batches | 1 |
+/// | TorchFallback | fallback | what a module with parameters that no kind takes gets | none: a kfac::Error |
 /// | optional<MpiComm> | mpi | (builds with MPI) distribute kfac's work over these ranks | unset: serial |
 struct TorchOptions {
   std::vector<std::string> skip;
   TokenReduction tokens = TokenReduction::none;
   long accumulation_steps = 1;
+  TorchFallback fallback = TorchFallback::none;
 
   TorchOptions& with_skip(std::vector<std::string> patterns) { skip = std::move(patterns); return *this; }
   TorchOptions& with_token_reduction(TokenReduction t) { tokens = t; return *this; }
@@ -91,9 +105,13 @@ struct TorchOptions {
   /// gradient then equals that of one batch of all k micro-batches (checked by the constructor:
   /// k >= 1; by precondition(): each module observed a multiple of k times).
   TorchOptions& with_accumulation_steps(long k) { accumulation_steps = k; return *this; }
+  /// \brief TorchFallback::diagonal: every module with trainable parameters that no registered kind
+  /// takes (and every module sharing a parameter with another) has each of its parameters registered
+  /// on its own under kfac::DiagonalFisher, named "module.parameter"; a shared parameter once.
+  TorchOptions& with_fallback(TorchFallback f) { fallback = f; return *this; }
 #if KFAC_HAVE_MPI
   std::optional<MpiComm> mpi;
-  /// rief Data-parallel training: kfac's factors are averaged over `comm` (KAISA). The user
+  /// \brief Data-parallel training: kfac's factors are averaged over `comm` (KAISA). The user
   /// still averages the gradients over the ranks before precondition().
   TorchOptions& with_mpi(MpiComm comm) { mpi = std::move(comm); return *this; }
 #endif
@@ -102,6 +120,9 @@ struct TorchOptions {
 class TorchPreconditioner;
 
 }  // namespace adapters
+namespace impl {
+struct CppModules;
+}  // namespace impl
 }  // namespace kfac
 
 #include "kfac/adapters/impl/torch_core.hpp"
@@ -111,10 +132,13 @@ namespace kfac {
 
 namespace impl {
 
+/// The module classes registered in TorchModuleKinds now, as the user spells them.
+inline std::string cpp_module_types();
+
 /// The wording of the C++ front end in the shared core's messages.
 inline const TorchFrontEnd& cpp_front_end() {
   static const TorchFrontEnd f{
-      "TorchPreconditioner", "torch::nn::Linear, Conv2d, BatchNorm2d, LayerNorm or Embedding",
+      "TorchPreconditioner", cpp_module_types,
       "add it to TorchOptions::with_skip to leave it to the optimizer alone", "TorchOptions::accumulation_steps",
       "its forward was not called through kfac::adapters::observed() in training mode with autograd on",
       "state how tokens reduce with TorchOptions::with_token_reduction(TokenReduction::expand or ::reduce)"};
@@ -130,7 +154,8 @@ class TorchModuleKinds {
   using Translate = std::function<std::optional<TorchLayer>(const torch::nn::Module&, const TorchContext&,
                                                              std::string& problem)>;
   struct Kind {
-    std::string kind;  ///< kfac's layer kind, as TorchOptions::with_skip names it
+    std::string kind;       ///< kfac's layer kind, as TorchOptions::with_skip names it
+    std::string type_name;  ///< the module class as the user spells it ("torch::nn::Linear")
     std::function<bool(const torch::nn::Module&)> matches;
     Translate translate;
   };
@@ -141,7 +166,8 @@ class TorchModuleKinds {
   template <class ModuleImpl, class F>
   void add(std::string kind, F translate) {
     std::lock_guard<std::mutex> lock(mutex_);
-    kinds_.push_back(Kind{std::move(kind), [](const torch::nn::Module& m) { return m.as<ModuleImpl>() != nullptr; },
+    kinds_.push_back(Kind{std::move(kind), type_name_of(c10::demangle(typeid(ModuleImpl).name())),
+                          [](const torch::nn::Module& m) { return m.as<ModuleImpl>() != nullptr; },
                           [translate](const torch::nn::Module& m, const TorchContext& ctx, std::string& problem) {
                             return std::optional<TorchLayer>(translate(*m.as<ModuleImpl>(), ctx, problem));
                           }});
@@ -153,6 +179,25 @@ class TorchModuleKinds {
       if (kinds_[i].matches(m)) return std::make_shared<const Kind>(kinds_[i]);
     return nullptr;
   }
+  /// The registered module classes, each once, in registration order ("torch::nn::Linear, ...").
+  std::string type_names() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::string> seen;
+    std::string all;
+    for (const Kind& k : kinds_)
+      if (std::find(seen.begin(), seen.end(), k.type_name) == seen.end()) {
+        all += (seen.empty() ? "" : ", ") + k.type_name;
+        seen.push_back(k.type_name);
+      }
+    return all;
+  }
+  /// "torch::nn::Conv2d" for a class named "torch::nn::Conv2dImpl" (Module::name() spells it so).
+  static std::string type_name_of(std::string n) {
+    const std::string impl = "Impl";
+    if (n.size() > impl.size() && n.compare(n.size() - impl.size(), impl.size(), impl) == 0)
+      n.erase(n.size() - impl.size());
+    return n;
+  }
 
  private:
   TorchModuleKinds();
@@ -160,19 +205,23 @@ class TorchModuleKinds {
   std::vector<Kind> kinds_;
 };
 
-/// Module -> capture, for observed(); one TorchPreconditioner per module at a time.
+inline std::string cpp_module_types() { return TorchModuleKinds::instance().type_names(); }
+
+/// Module -> its captures, for observed(); one TorchPreconditioner per module at a time. A module
+/// has one capture, or with the diagonal fallback one per parameter (each counting its samples).
 class TorchRegistry {
  public:
+  using Captures = std::vector<std::shared_ptr<TorchCapture>>;
   static TorchRegistry& instance() {
     static TorchRegistry r;
     return r;
   }
-  std::shared_ptr<TorchCapture> find(const torch::nn::Module* m) {
+  Captures find(const torch::nn::Module* m) {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto it = map_.find(m);
-    return it == map_.end() ? nullptr : it->second;
+    return it == map_.end() ? Captures{} : it->second;
   }
-  bool insert(const torch::nn::Module* m, std::shared_ptr<TorchCapture> c) {
+  bool insert(const torch::nn::Module* m, Captures c) {
     std::lock_guard<std::mutex> lock(mutex_);
     return map_.emplace(m, std::move(c)).second;
   }
@@ -183,7 +232,7 @@ class TorchRegistry {
 
  private:
   std::mutex mutex_;
-  std::unordered_map<const torch::nn::Module*, std::shared_ptr<TorchCapture>> map_;
+  std::unordered_map<const torch::nn::Module*, Captures> map_;
 };
 
 /// "features.*" matches "features.0" and "features.0.conv"; '?' matches one character.
@@ -197,12 +246,14 @@ inline bool glob_match(const char* p, const char* s) {
 
 namespace adapters {
 
-/// \brief Runs `module(x)`; for a module registered with a TorchPreconditioner, in training
+/// \brief Runs `module(x, rest...)`; for a module registered with a TorchPreconditioner, in training
 /// mode, with autograd on and on a step that wants observations, also records the input and
-/// hooks the output for its gradient. Works with any module holder (`torch::nn::Linear`, ...)
-/// or `std::shared_ptr` to a module.
-template <class ModuleRef>
-at::Tensor observed(ModuleRef& module, const at::Tensor& x);
+/// hooks the output for its gradient, or for a module under the diagonal fallback only counts the
+/// call's samples (any forward: `observed(attn, q, k, v)`). Works with any module holder
+/// (`torch::nn::Linear`, ...) or `std::shared_ptr` to a module. A registered module whose forward
+/// returns no tensor (and has a kind) is a kfac::Error naming it.
+template <class ModuleRef, class... Rest>
+auto observed(ModuleRef& module, const at::Tensor& x, Rest&&... rest);
 
 /// \brief One module as kfac sees it (impl::TorchLayer): the layer and method, the parameters
 /// it preconditions, and how a call's input (and output gradient) become its observations.
@@ -276,6 +327,8 @@ class TorchPreconditioner {
 
  private:
   bool is_skipped(const std::string& name, const torch::nn::Module& m, const std::string& kind) const;
+  /// Hands observed() each registered module's captures (impl::TorchRegistry).
+  void register_captures(const impl::CppModules& found);
 
   TorchOptions torch_options_;
   std::unique_ptr<impl::TorchCore> core_;

@@ -54,7 +54,7 @@ struct TorchMethod {
 /// \brief The wording of one front end in the core's error messages.
 struct TorchFrontEnd {
   const char* preconditioner;  ///< "TorchPreconditioner"
-  const char* types;           ///< the supported module types as the user spells them
+  std::string (*types)();      ///< the module types kfac has a kind for now, as the user spells them
   const char* skip_hint;       ///< how to leave a module to the optimizer alone
   const char* accumulation;    ///< the name of the accumulation setting
   const char* not_observed;    ///< why a module was not observed
@@ -391,7 +391,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     std::string why;
     std::optional<TorchLayer> t;
     if (s.translate) t = s.translate(TorchContext{front, tokens}, why);
-    else why = std::string("owns parameters but kfac has no layer type for it (supported: ") + front.types + "); " +
+    else why = "owns parameters but kfac has no layer type for it (supported: " + front.types() + "); " +
                front.skip_hint;
     if (!t) {
       problem(why);
@@ -413,7 +413,7 @@ TorchCore::TorchCore(const std::vector<TorchModuleSpec>& specs, Options options,
     }
   throw_module_problems(problems, "modules kfac cannot handle");
   if (found.empty())
-    throw Error("", std::string("the model has no ") + front.types + " module to precondition");
+    throw Error("", "the model has no module to precondition (layer types: " + front.types() + ")");
 
   backend_ = make_backend(dtype_, std::move(options));
   for (const Found& f : found) {

@@ -2,23 +2,145 @@
 /// \file torch_impl.hpp
 /// \brief Definitions for kfac/adapters/torch.hpp (included at its end).
 
+#include <algorithm>
 #include <optional>
+#include <type_traits>
+#include <unordered_map>
 #include <utility>
 
 namespace kfac {
 namespace impl {
 
 /// The module type as written in C++ ("torch::nn::Conv2d") from Module::name().
-inline std::string torch_type_name(const torch::nn::Module& m) {
-  std::string n = m.name();
-  const std::string impl = "Impl";
-  if (n.size() > impl.size() && n.compare(n.size() - impl.size(), impl.size(), impl) == 0)
-    n.erase(n.size() - impl.size());
-  return n;
-}
+inline std::string torch_type_name(const torch::nn::Module& m) { return TorchModuleKinds::type_name_of(m.name()); }
 
 template <class Scalar, class Comm>
 using CppTorchBackend = TorchBackendOf<Scalar, Comm>;
+
+/// \brief What the C++ front end hands the shared core: one spec per module owning parameters, or
+/// under the diagonal fallback one per parameter of a module no kind takes; and for each spec the
+/// module (its path and address) whose calls observed() records.
+struct CppModules {
+  std::vector<TorchModuleSpec> specs;
+  std::vector<std::pair<std::string, const torch::nn::Module*>> modules;  ///< per spec
+};
+
+/// \brief A fallback parameter's observation of one call: its sample count, as a (batch) tensor whose
+/// values are never read: the input's first extent, or for MultiheadAttention (`attention`; LibTorch's
+/// queries are (L, N, E)) its second (1 for an unbatched query).
+inline TorchView torch_sample_count(bool attention) {
+  return [attention](const TorchCapture& c, const at::Tensor& x) {
+    if (x.dim() < 1)
+      throw Error(c.name, "input of shape (); the diagonal fallback counts a call's samples along its first dimension");
+    const int64_t n = !attention ? x.size(0) : x.dim() == 3 ? x.size(1) : 1;
+    return torch::zeros({n}, at::kFloat);
+  };
+}
+
+/// The parameters a module's call computes with, by their path below it: its own, and for
+/// MultiheadAttention its out_proj's too (its forward reads them without calling out_proj).
+inline std::vector<std::pair<std::string, at::Tensor>> cpp_parameters_of(const torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> v;
+  for (const auto& p : m.named_parameters(/*recurse=*/false))
+    if (p.value().defined()) v.emplace_back(p.key(), p.value());
+  if (const auto* a = m.as<torch::nn::MultiheadAttentionImpl>())
+    if (!a->out_proj.is_empty())
+      for (const auto& p : a->out_proj->named_parameters(/*recurse=*/false))
+        if (p.value().defined()) v.emplace_back("out_proj." + p.key(), p.value());
+  return v;
+}
+
+/// One module as the core sees it: its kind's translation, or none (refused by the core).
+inline TorchModuleSpec cpp_module_spec(const std::string& name, const torch::nn::Module& m,
+                                       const std::shared_ptr<const TorchModuleKinds::Kind>& kind, bool skipped) {
+  TorchModuleSpec s;
+  s.name = name;
+  s.type_name = torch_type_name(m);
+  s.skipped = skipped;
+  s.all_frozen = true;
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) s.all_frozen = s.all_frozen && !p.value().requires_grad();
+  if (kind)
+    s.translate = [kind, &m](const TorchContext& ctx, std::string& problem) {
+      return kind->translate(m, ctx, problem);
+    };
+  return s;
+}
+
+/// \brief One parameter of a module under the diagonal fallback, named "module.parameter"; skipped as
+/// tied when a module before it registered the same parameter (`registered`: memory -> name).
+inline TorchModuleSpec cpp_parameter_spec(const std::string& module, const torch::nn::Module& m,
+                                          const std::string& path, const at::Tensor& p,
+                                          std::unordered_map<const void*, std::string>& registered) {
+  TorchModuleSpec s;
+  s.name = module + "." + path;
+  s.type_name = torch_type_name(m) + " parameter";
+  s.all_frozen = !p.requires_grad();
+  const auto tied = p.data_ptr() != nullptr ? registered.find(p.data_ptr()) : registered.end();
+  if (tied != registered.end()) {
+    s.skipped = true;
+    s.skip_reason = "tied weights: preconditioned once, as '" + tied->second + "'";
+  } else if (p.requires_grad() && p.data_ptr() != nullptr) {
+    registered.emplace(p.data_ptr(), s.name);
+  }
+  const bool attention = m.as<torch::nn::MultiheadAttentionImpl>() != nullptr;
+  s.translate = [p, attention](const TorchContext&, std::string& problem) {
+    std::optional<TorchLayer> t = torch_parameter<TorchMethods::default_only>(p, TorchPrecision::scalar, problem);
+    if (t) t->input = torch_sample_count(attention);
+    return t;
+  };
+  return s;
+}
+
+/// \brief The C++ front end's view of `model` for the shared core. `skip(name, module, kind)` is the
+/// skip list. With `fallback` (TorchFallback::diagonal), a module with trainable parameters that no
+/// kind takes, or that shares a parameter with another module, has each parameter its call computes
+/// with registered on its own (cpp_parameter_spec), as the Python package's fallback does; a
+/// MultiheadAttention's out_proj, never called by the attention's forward, is registered with it.
+template <class Skip>
+CppModules cpp_modules(const torch::nn::Module& model, bool fallback, Skip&& skip) {
+  // The root by reference (named_modules(include_self) would need it held in a shared_ptr).
+  std::vector<std::pair<std::string, const torch::nn::Module*>> all{{"root", &model}};
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    all.emplace_back(item.key(), item.value().get());
+  std::vector<const torch::nn::Module*> never_called;  // MultiheadAttention's out_proj (with the fallback)
+  std::unordered_map<const void*, int> users;          // parameter memory -> how many modules compute with it
+  for (const auto& [name, m] : all)
+    if (const auto* a = m->template as<torch::nn::MultiheadAttentionImpl>(); fallback && a && !a->out_proj.is_empty())
+      never_called.push_back(a->out_proj.get());
+  auto called = [&](const torch::nn::Module* m) {
+    return std::find(never_called.begin(), never_called.end(), m) == never_called.end();
+  };
+  for (const auto& [name, m] : all)
+    if (fallback && called(m))
+      for (const auto& [path, p] : cpp_parameters_of(*m)) users[p.data_ptr()] += p.data_ptr() != nullptr ? 1 : 0;
+  CppModules out;
+  std::unordered_map<const void*, std::string> registered;  // the fallback's parameters: memory -> name
+  for (const auto& [name, module] : all) {
+    const torch::nn::Module& m = *module;
+    // Containers, activations, BatchNorm2d(affine=false); out_proj under the fallback.
+    if (m.named_parameters(/*recurse=*/false).is_empty() || !called(module)) continue;
+    const auto kind = TorchModuleKinds::instance().find(m);
+    const auto params = fallback ? cpp_parameters_of(m) : std::vector<std::pair<std::string, at::Tensor>>{};
+    bool shared = false, trainable = false;
+    for (const auto& [path, p] : params) {
+      shared = shared || users[p.data_ptr()] > 1;
+      trainable = trainable || p.requires_grad();
+    }
+    const bool diagonal = fallback && (!kind || shared) && trainable;
+    const bool skipped =
+        skip(name, m, kind ? kind->kind : std::string()) || (diagonal && skip(name, m, Parameter::kind));
+    if (!diagonal || skipped) {
+      out.specs.push_back(cpp_module_spec(name, m, kind, skipped));
+      out.modules.emplace_back(name, module);
+      continue;
+    }
+    for (const auto& [path, p] : params) {
+      out.specs.push_back(cpp_parameter_spec(name, m, path, p, registered));
+      out.modules.emplace_back(name, module);
+    }
+  }
+  return out;
+}
 
 /// The built-in kinds, registered as a user's kind is (adapters::register_torch_module). The
 /// LibTorch front end offers no choice of method (the Python package does), so it compiles the
@@ -70,53 +192,54 @@ inline TorchModuleKinds::TorchModuleKinds() {
 
 namespace adapters {
 
-template <class ModuleRef>
-at::Tensor observed(ModuleRef& module, const at::Tensor& x) {
+template <class ModuleRef, class... Rest>
+auto observed(ModuleRef& module, const at::Tensor& x, Rest&&... rest) {
   auto* mod = module.get();  // ModuleHolder::get() or std::shared_ptr::get()
-  const auto capture = impl::TorchRegistry::instance().find(mod);
-  if (!capture || !capture->wanted || !mod->is_training() || !at::GradMode::is_enabled()) return mod->forward(x);
-  at::Tensor seen = impl::torch_observation(*capture, x);
-  at::Tensor y = mod->forward(x);
-  if (!y.requires_grad()) return y;
-  long generation;
-  {
-    std::lock_guard<std::mutex> lock(capture->mutex);
-    generation = capture->generation;
+  using Result = decltype(mod->forward(x, std::forward<Rest>(rest)...));
+  const auto captures = impl::TorchRegistry::instance().find(mod);
+  const bool wanted = std::any_of(captures.begin(), captures.end(), [](const auto& c) { return c->wanted; });
+  if (!wanted || !mod->is_training() || !at::GradMode::is_enabled())
+    return mod->forward(x, std::forward<Rest>(rest)...);
+  if (captures.front()->layer->kind == Parameter::kind) {  // the diagonal Fisher: the call's sample count only
+    std::vector<at::Tensor> seen;
+    for (const auto& c : captures) seen.push_back(c->wanted ? impl::torch_observation(*c, x) : at::Tensor());
+    Result y = mod->forward(x, std::forward<Rest>(rest)...);
+    for (std::size_t i = 0; i < captures.size(); ++i)
+      if (seen[i].defined()) {
+        captures[i]->add_input(seen[i]);
+        captures[i]->set_latest_grad(seen[i]);
+      }
+    return y;
   }
-  const std::size_t slot = capture->add_input(std::move(seen));
-  y.register_hook([capture, slot, generation](const at::Tensor& g) { capture->set_grad(slot, generation, g); });
-  return y;
+  const std::shared_ptr<impl::TorchCapture>& capture = captures.front();
+  if constexpr (!std::is_same<std::decay_t<Result>, at::Tensor>::value) {
+    throw Error(capture->name, "observed(): its forward returns no tensor, so kfac cannot hook its output gradient");
+  } else {
+    at::Tensor seen = impl::torch_observation(*capture, x);
+    at::Tensor y = mod->forward(x, std::forward<Rest>(rest)...);
+    if (!y.requires_grad()) return y;
+    long generation;
+    {
+      std::lock_guard<std::mutex> lock(capture->mutex);
+      generation = capture->generation;
+    }
+    const std::size_t slot = capture->add_input(std::move(seen));
+    y.register_hook([capture, slot, generation](const at::Tensor& g) { capture->set_grad(slot, generation, g); });
+    return y;
+  }
 }
 
 inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, Options options,
                                                 TorchOptions torch_options)
     : torch_options_(std::move(torch_options)) {
   // What each module owning parameters is, for the shared translation (impl::TorchCore).
-  std::vector<impl::TorchModuleSpec> specs;
-  std::vector<const torch::nn::Module*> modules;
-  // The root by reference (named_modules(include_self) would need it held in a shared_ptr).
-  std::vector<std::pair<std::string, const torch::nn::Module*>> all{{"root", &model}};
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) all.emplace_back(item.key(), item.value().get());
-  for (const auto& [name, module] : all) {
-    const torch::nn::Module& m = *module;
-    const auto own = m.named_parameters(/*recurse=*/false);
-    if (own.is_empty()) continue;  // containers, activations, BatchNorm2d(affine=false), ...
-    const auto kind = impl::TorchModuleKinds::instance().find(m);
-    impl::TorchModuleSpec s;
-    s.name = name;
-    s.type_name = impl::torch_type_name(m);
-    s.skipped = is_skipped(name, m, kind ? kind->kind : std::string());
-    s.all_frozen = true;
-    for (const auto& p : own) s.all_frozen = s.all_frozen && !p.value().requires_grad();
-    if (kind)
-      s.translate = [kind, &m](const impl::TorchContext& ctx, std::string& problem) {
-        return kind->translate(m, ctx, problem);
-      };
-    specs.push_back(std::move(s));
-    modules.push_back(&m);
-  }
+  const impl::CppModules found =
+      impl::cpp_modules(model, torch_options_.fallback == TorchFallback::diagonal,
+                        [this](const std::string& name, const torch::nn::Module& m, const std::string& kind) {
+                          return is_skipped(name, m, kind);
+                        });
   core_ = std::make_unique<impl::TorchCore>(
-      specs, std::move(options), torch_options_.tokens, torch_options_.accumulation_steps, impl::cpp_front_end(),
+      found.specs, std::move(options), torch_options_.tokens, torch_options_.accumulation_steps, impl::cpp_front_end(),
       [&](at::ScalarType dtype, Options o) -> std::unique_ptr<impl::TorchBackend> {
 #if KFAC_HAVE_MPI
         if (torch_options_.mpi) {
@@ -129,18 +252,30 @@ inline TorchPreconditioner::TorchPreconditioner(const torch::nn::Module& model, 
           return std::make_unique<impl::CppTorchBackend<double, SerialComm>>(std::move(o), SerialComm{});
         return std::make_unique<impl::CppTorchBackend<float, SerialComm>>(std::move(o), SerialComm{});
       });
-  // The registered modules, in the core's order, for observed().
+  register_captures(found);
+}
+
+inline void TorchPreconditioner::register_captures(const impl::CppModules& found) {
+  // The registered modules, in the core's order, each with its captures (several: the fallback's parameters).
   const std::vector<std::string> names = core_->modules();
+  std::vector<std::string> paths;
+  std::vector<impl::TorchRegistry::Captures> groups;
   for (std::size_t i = 0, j = 0; i < names.size(); ++i) {
-    while (specs[j].name != names[i]) ++j;
-    registered_.push_back(modules[j]);
+    while (found.specs[j].name != names[i]) ++j;
+    const auto& [path, module] = found.modules[j];
+    if (registered_.empty() || registered_.back() != module) {
+      registered_.push_back(module);
+      paths.push_back(path);
+      groups.emplace_back();
+    }
+    groups.back().push_back(core_->captures()[i]);
   }
+  auto& registry = impl::TorchRegistry::instance();
   for (std::size_t i = 0; i < registered_.size(); ++i)
-    if (!impl::TorchRegistry::instance().insert(registered_[i], core_->captures()[i])) {
-      for (std::size_t j = 0; j < i; ++j) impl::TorchRegistry::instance().erase(registered_[j]);
-      const std::string name = names[i];
+    if (!registry.insert(registered_[i], groups[i])) {
+      for (std::size_t j = 0; j < i; ++j) registry.erase(registered_[j]);
       registered_.clear();
-      throw Error(name, "the module is already registered with another kfac::adapters::TorchPreconditioner");
+      throw Error(paths[i], "the module is already registered with another kfac::adapters::TorchPreconditioner");
     }
 }
 
