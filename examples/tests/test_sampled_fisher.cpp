@@ -1,12 +1,14 @@
 // The sampled (true) Fisher of the examples' losses (--fisher sampled): the outer products of
 // Loss::sampled_grad, averaged over many draws, against the losses' curvature at the logits
 // computed independently in double (softmax cross-entropy: diag(p) - p p^T; sigmoid
-// cross-entropy: diag(p(1 - p))), per sample; and, through a small network's backward pass, the
-// Kronecker factor G of its first layer against the mean of J^T F J. The tolerance is 5 standard
-// errors of each averaged entry (estimated from the draws) plus float rounding; drawing from
-// another distribution (uniform labels, the data's labels, fair coins) fails it.
+// cross-entropy: diag(p(1 - p))), per sample; through a small network's backward pass, the
+// Kronecker factor G of its first layer against the mean of J^T F J; and nn::KfacSgd's step. The
+// tolerance is 5 standard errors of each averaged entry (estimated from the draws) plus float
+// rounding; drawing from another distribution (uniform labels, the data's labels, fair coins)
+// fails it.
 
 #include "common/cross_entropy.hpp"
+#include "common/kfac_glue.hpp"
 #include "common/network.hpp"
 #include "common/sigmoid_cross_entropy.hpp"
 #include "helpers.hpp"
@@ -191,3 +193,84 @@ TEST_CASE("sampled Fisher through a network: the first layer's G is the mean of 
   }
   check_against(g_factor, expected, "network G (softmax)");
 }
+
+#if KFAC_EXAMPLES_HAVE_KFAC
+namespace {
+
+/// One K-FAC step as nn::Trainer takes it (forward, the sampled passes, the data's backward pass,
+/// the preconditioned SGD step) on a small fixed network and batch; returns the parameters' change
+/// and, in `data_grad`, the data's gradient the step started from.
+std::vector<float> kfac_step(const nn::KfacSettings& s, std::vector<float>* data_grad = nullptr) {
+  nn::SplitMix64 rng(9);
+  nn::Network net;
+  net.add("fc1", nn::Dense(5, 7, true, nn::Init::lecun, rng));
+  net.add("sig", nn::Sigmoid());
+  net.add("fc2", nn::Dense(7, 4, true, nn::Init::lecun, rng));
+  const nn::Tensor x = test::random_tensor(16, 5, 1, 1, rng);
+  nn::Labels labels("labels", 16);
+  Kokkos::parallel_for("test::labels", Kokkos::RangePolicy<nn::ExecSpace>(0, 16),
+                       KOKKOS_LAMBDA(const int i) { labels(i) = (3 * i) % 4; });
+  auto flat = [&](bool grads) {
+    std::vector<float> all;
+    for (const nn::Param& p : net.params())
+      for (float v : test::to_host(grads ? p.grad : p.value)) all.push_back(v);
+    return all;
+  };
+  const std::vector<float> before = flat(false);
+  nn::KfacSgd kfac(net, s);
+  nn::SoftmaxCrossEntropy loss;
+  const nn::Tensor logits = net.forward(x, nn::Mode::train);
+  loss.forward_backward(logits, labels);
+  kfac.observe_sampled(net, logits, loss);
+  net.backward(loss.grad());
+  if (data_grad) *data_grad = flat(true);
+  kfac.step(net);
+  std::vector<float> change = flat(false);
+  for (std::size_t i = 0; i < change.size(); ++i) change[i] -= before[i];
+  return change;
+}
+
+nn::KfacSettings sampled_settings(std::uint64_t seed) {
+  nn::KfacSettings s;
+  s.inverse = "eigen";
+  s.kl_clip = 0;
+  s.momentum = 0;
+  s.lr = 1;
+  s.factor_update_steps = 1;
+  s.inv_update_steps = 1;
+  s.fisher = "sampled";
+  s.fisher_seed = seed;
+  return s;
+}
+
+}  // namespace
+
+// The statistics come from the draws: the same seed gives the same step, another seed another
+// (a sampler that observed nothing, or the data's outputs, would give one step for every seed),
+// and two draws another again; the gradient preconditioned is the data's: under a damping far
+// above the factors' eigenvalues the step is -lr g / damping with g the data's gradient (not the
+// last sampled pass's).
+TEST_CASE("KfacSgd --fisher sampled: statistics from the draws, the step from the data's gradient",
+          "[sampled_fisher][kfac]") {
+  const std::vector<float> a = kfac_step(sampled_settings(1));
+  CHECK(kfac_step(sampled_settings(1)) == a);
+  CHECK(kfac_step(sampled_settings(2)) != a);
+  nn::KfacSettings two = sampled_settings(1);
+  two.fisher_samples = 2;
+  CHECK(kfac_step(two) != a);
+  nn::KfacSettings empirical = sampled_settings(1);
+  empirical.fisher = "empirical";
+  CHECK(kfac_step(empirical) != a);
+
+  nn::KfacSettings damped = sampled_settings(1);
+  damped.damping = damped.lr = 1e4;  // lr / (damping + eigenvalue) ~ 1: a float step of -g
+  std::vector<float> g;
+  const std::vector<float> step = kfac_step(damped, &g);
+  double err = 0, norm = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    err += std::pow(double(step[i]) + double(g[i]), 2);
+    norm += double(g[i]) * double(g[i]);
+  }
+  CHECK(std::sqrt(err) <= 1e-3 * std::sqrt(norm));
+}
+#endif
