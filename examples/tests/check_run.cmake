@@ -6,6 +6,7 @@
 #   -DEXPECT_FILE=path    a file (relative to WORKDIR) the run must have written
 #   -DEXPECT_EXIT=n       the exit code expected instead of 0 (a refused flag: 2)
 #   -DEXPECT_ERROR=re     a regular expression the standard error must match
+#   -DREJECT_OUTPUT=re    a regular expression the standard output must not match
 # Fails unless the command exits 0 (or EXPECT_EXIT) and every expectation holds.
 string(REPLACE "|" ";" command "${RUN}")
 if(FRESH)
@@ -20,6 +21,9 @@ if(NOT DEFINED EXPECT_EXIT)
 endif()
 if(NOT rc EQUAL EXPECT_EXIT)
   message(FATAL_ERROR "'${command}' in ${WORKDIR} exited with ${rc}, not ${EXPECT_EXIT}")
+endif()
+if(DEFINED REJECT_OUTPUT AND out MATCHES "${REJECT_OUTPUT}")
+  message(FATAL_ERROR "the output of '${command}' matches '${REJECT_OUTPUT}'")
 endif()
 if(DEFINED EXPECT_ERROR AND NOT err MATCHES "${EXPECT_ERROR}")
   message(FATAL_ERROR "the standard error of '${command}' does not match '${EXPECT_ERROR}'")
