@@ -67,6 +67,10 @@ void usage() {
       "  --factor-every N --inv-every N  kfac factor and decomposition intervals (default 5, 20)\n"
       "  --inverse eigen|cholesky|randomized   kfac inversion (default randomized: kfac::RandomizedEigen)\n"
       "  --rank N                        randomized: eigenpairs kept per factor (default 64)\n"
+      "  --fisher empirical|sampled      kfac: G from the output gradients at the data's targets, or at targets\n"
+      "                                  drawn from the model, Bernoulli(sigmoid(z)): the true Fisher (default\n"
+      "                                  empirical)\n"
+      "  --fisher-samples N              --fisher sampled: draws per image on each factor step (default 1)\n"
       "  --batch N                       images per step (default 256)\n"
       "  --seed N                        initialisation and batch order (default 1)\n"
       "  --budget S                      training seconds per run (default 60)\n"
@@ -127,6 +131,8 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--inv-every") num(a.kfac.inv_update_steps);
     else if (key == "--inverse") a.kfac.inverse = value;
     else if (key == "--rank") num(a.kfac.rank);
+    else if (key == "--fisher") a.kfac.fisher = value;
+    else if (key == "--fisher-samples") num(a.kfac.fisher_samples);
     else if (key == "--batch") num(a.batch);
     else if (key == "--seed") num(a.seed);
     else if (key == "--budget") num(a.budget_s);
@@ -147,10 +153,14 @@ Args parse(const std::vector<std::string>& argv) {
                                 "momentum and damping, and has no KL clip); drop " + tuned[0] + " or --adaptive");
   if (a.lr < 0 || a.batch < 1 || a.evals < 1 || !(a.budget_s > 0))
     throw std::invalid_argument("--lr >= 0, --batch >= 1, --evals >= 1 and --budget > 0 expected");
+  nn::check_fisher(a.kfac);
+  if (a.kfac.fisher != "empirical" && a.optimizer != "kfac")
+    throw std::invalid_argument("--fisher: only with --optimizer kfac");
   if (a.lr == 0) a.lr = a.optimizer == "sgd" ? 0.01 : a.optimizer == "adam" ? 1e-3 : 0.1;
   a.kfac.lr = a.lr;
   a.kfac.momentum = a.momentum;
   a.kfac.adaptive = a.adaptive;
+  a.kfac.fisher_seed = a.seed;
   return a;
 }
 
@@ -183,7 +193,9 @@ int run(const Args& a) {
   if (a.optimizer == "adam") adam = std::make_unique<nn::Adam>(net.params(), nn::AdamOptions{}.with_lr(a.lr));
   if (a.optimizer == "kfac") kfac = std::make_unique<nn::KfacSgd>(net, a.kfac);
 
-  const std::string name = a.optimizer + (a.adaptive ? "+adaptive" : "");
+  std::string name = a.optimizer + (a.adaptive ? "+adaptive" : "");
+  if (a.kfac.fisher == "sampled")
+    name += "+sampled" + (a.kfac.fisher_samples > 1 ? std::to_string(a.kfac.fisher_samples) : std::string());
   char lr_text[32], damping_text[32];
   std::snprintf(lr_text, sizeof lr_text, "%g", a.lr);
   std::snprintf(damping_text, sizeof damping_text, "%g", a.kfac.damping);
@@ -237,6 +249,7 @@ int run(const Args& a) {
     const nn::Tensor target = nn::as_tensor(nn::as_matrix(b.x));
     const nn::Tensor logits = net.forward(b.x, nn::Mode::train);
     const nn::ReconstructionStats s = loss.forward_backward(logits, target);
+    if (kfac) kfac->observe_sampled(net, logits, loss);  // --fisher sampled, on statistics steps
     net.backward(loss.grad());
     try {
       if (sgd) sgd->step();

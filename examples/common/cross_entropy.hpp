@@ -2,9 +2,11 @@
 /// \file cross_entropy.hpp
 /// \brief Softmax cross-entropy with mean reduction over the batch.
 
+#include "common/rng.hpp"
 #include "common/tensor.hpp"
 
 #include <cmath>
+#include <vector>
 
 namespace nn {
 
@@ -76,6 +78,35 @@ class SoftmaxCrossEntropy {
   /// \brief (N, K, 1, 1) gradient from the last forward_backward.
   const Tensor& grad() const { return grad_view_; }
 
+  /// \brief The gradient of the mean loss at labels drawn from the model's own predictive
+  /// distribution, \f$y_i \sim \mathrm{softmax}(z_i)\f$, one uniform of `rng` per sample in
+  /// sample order: \f$(p_i - e_{y_i}) / N\f$. Its outer products average to
+  /// \f$(\mathrm{diag}(p_i) - p_i p_i^T) / N^2\f$, the loss's curvature at the logits (the true
+  /// Fisher, Martens & Grosse 2015, section 5). Drawn on the host in double, so a run repeats
+  /// whatever the thread count; in its own buffer (grad() stays).
+  /// \param logits [in] (N, K, 1, 1)
+  /// \return (N, K, 1, 1), valid until the next call
+  const Tensor& sampled_grad(const Tensor& logits, SplitMix64& rng) {
+    sampled_view_ = fill_on_host(logits, sampled_, [&](const auto& z, const auto& g, int n, int k) {
+      std::vector<double> p(std::size_t(k), 0.0);
+      for (int i = 0; i < n; ++i) {
+        double zmax = z(i, 0), sum = 0.0;
+        for (int j = 1; j < k; ++j) zmax = std::fmax(zmax, double(z(i, j)));
+        for (int j = 0; j < k; ++j) sum += (p[std::size_t(j)] = std::exp(double(z(i, j)) - zmax));
+        const double u = rng.uniform() * sum;  // y: the first class whose cumulative weight exceeds u
+        int y = k - 1;
+        double below = 0.0;
+        for (int j = 0; j < k - 1; ++j)
+          if (u < (below += p[std::size_t(j)])) {
+            y = j;
+            break;
+          }
+        for (int j = 0; j < k; ++j) g(i, j) = float((p[std::size_t(j)] / sum - (j == y ? 1.0 : 0.0)) / double(n));
+      }
+    });
+    return sampled_view_;
+  }
+
  private:
   BatchStats run(const Tensor& logits, const Labels& labels, bool want_grad) {
     const Matrix z = as_matrix(logits);
@@ -92,6 +123,8 @@ class SoftmaxCrossEntropy {
   Buffer<double> loss_;
   Buffer<int> hit_;
   Tensor grad_view_;
+  Buffer<float> sampled_{"nn::xent::sampled_grad"};
+  Tensor sampled_view_;
 };
 
 }  // namespace nn

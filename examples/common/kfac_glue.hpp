@@ -8,12 +8,14 @@
 
 #include "common/cross_entropy.hpp"
 #include "common/network.hpp"
+#include "common/rng.hpp"
 #include "common/sigmoid_cross_entropy.hpp"
 #include "common/sgd.hpp"
 #include "common/world.hpp"
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -114,6 +116,9 @@ struct RecipeSettings {
 /// | bool | pi_damping | Cholesky's π-damping (kfac::Cholesky::with_pi_damping); off: π = 1, the form the sweeps tuned | false |
 /// | long | decomposition_delay | kfac::Options::decomposition_delay: decompositions used d steps after they fall due, computed meanwhile | 0 |
 /// | double | eigen_refresh | kfac::Eigendecomposition::with_refresh_tolerance (inverse "eigen"): eigenvalues refreshed in the kept eigenbasis while within this relative distance of the factor | 0 |
+/// | string | fisher | G from output gradients at the data's targets, or "sampled" at the model's | empirical |
+/// | int | fisher_samples | "sampled": draws per sample on a statistics step (a backward pass each) | 1 |
+/// | uint64 | fisher_seed | "sampled": the run's seed, from which each step's draws derive | 1 |
 ///
 /// These are the CNN's settings; nn::default_kfac(model) gives each model's (docs/fashion_mnist.md
 /// has the sweeps behind them). Damping 1e-3 let momentum SGD diverge on the MLP. Updating
@@ -158,7 +163,18 @@ struct KfacSettings {
   /// With `adaptive`: the quadratic model solved (R-op products) every this many steps, its
   /// alpha and mu reused in between (kfac::Adaptive::solve_interval).
   long adaptive_solve_interval = 1;
+  std::string fisher = "empirical";  ///< --fisher: "empirical" or "sampled" (see the table)
+  int fisher_samples = 1;            ///< --fisher-samples
+  std::uint64_t fisher_seed = 1;     ///< the run's --seed (set by nn::Trainer and the autoencoder)
 };
+
+/// \brief Refuses a --fisher or --fisher-samples value, naming the flag.
+inline void check_fisher(const KfacSettings& s) {
+  if (s.fisher != "empirical" && s.fisher != "sampled")
+    throw std::invalid_argument("--fisher: expected empirical or sampled (got '" + s.fisher + "')");
+  if (s.fisher_samples < 1)
+    throw std::invalid_argument("--fisher-samples: expected N >= 1 (got " + std::to_string(s.fisher_samples) + ")");
+}
 
 /// \brief The gradient-worker fraction `s` asks for on `world_size` ranks (see KfacSettings).
 inline double resolve_grad_worker_fraction(const KfacSettings& s, int world_size) {
@@ -279,6 +295,7 @@ class KfacSgd {
       throw std::invalid_argument("unknown K-FAC factor precision '" + s.factor_precision + "' (expected float or half)");
     if (s.recipe.name != "none" && s.recipe.name != "large-batch")
       throw std::invalid_argument("unknown recipe '" + s.recipe.name + "' (expected none or large-batch)");
+    check_fisher(s);
     kfac::Options options = kfac_options(s);
     kaisa_ = kfac_distribution(s, world.size());
     if (s.recipe.name == "large-batch") {
@@ -315,6 +332,35 @@ class KfacSgd {
   /// cost model chose and its prediction against the other candidates; empty otherwise.
   const std::string& chosen() const { return chosen_; }
 
+  /// \brief KfacSettings::fisher "sampled", after the forward pass and before the data's backward
+  /// pass: on a step that updates statistics, `fisher_samples` backward passes from the output
+  /// gradients of `loss` at targets drawn from the model (Loss::sampled_grad at `logits`), each
+  /// handed to kfac as one more observation of every layer's input and output gradient, so that
+  /// G averages the draws (A is the same in each); the data's backward pass that follows then
+  /// gives the gradient, and step() observes nothing more. kfac folds the observations into
+  /// its pending statistics as they come (the Kronecker blocks' Gram matrices; BatchNorm2d's
+  /// products), so the next pass may overwrite the layers' buffers. The draws derive from
+  /// (fisher_seed, step, rank): each rank its own slice. Nothing otherwise ("empirical", or a
+  /// step without statistics).
+  template <class Loss>
+  void observe_sampled(Network& net, const Tensor& logits, Loss& loss) {
+    if (settings_.fisher != "sampled") return;
+    const bool built = mpi_ || serial_;  // --strategy auto builds at the first step, a statistics step
+    if (built && !wants_observations()) return;
+    const long step = built ? step_count() : 0;
+    SplitMix64 rng(derive_seed(derive_seed(settings_.fisher_seed, 4, std::uint64_t(step)), 0,
+                               std::uint64_t(world_.rank())));
+    for (int k = 0; k < settings_.fisher_samples; ++k) {
+      net.backward(loss.sampled_grad(logits, rng));
+      Kokkos::Profiling::pushRegion("kfac::examples::kfac");
+      const auto t0 = std::chrono::steady_clock::now();
+      if (!mpi_ && !serial_) choose_distribution(net);  // needs the rows of a backward pass
+      with_preconditioner([&](auto& pre) { observe(net, pre, pre.wants_observations(), false); });
+      kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      Kokkos::Profiling::popRegion();
+    }
+  }
+
   /// \brief After forward and backward (and gradient averaging): hand kfac the observations and
   /// gradients, let it precondition the gradients in place, then take the SGD step with them.
   /// The Kokkos Tools regions "kfac::examples::kfac" (everything kfac does in the step) and
@@ -325,7 +371,7 @@ class KfacSgd {
     const auto t0 = std::chrono::steady_clock::now();
     if (!mpi_ && !serial_) choose_distribution(net);
     const long step = mpi_ ? mpi_->step_count() : serial_->step_count();  // the step being taken
-    with_preconditioner([&](auto& pre) { precondition(net, pre); });
+    with_preconditioner([&](auto& pre) { precondition(net, pre, from_data()); });
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     Kokkos::Profiling::popRegion();
     if (lr_) sgd_.set_lr(lr_(step));  // the rate K-FAC's KL clip assumed at this step
@@ -346,7 +392,7 @@ class KfacSgd {
     auto t0 = std::chrono::steady_clock::now();
     if (!mpi_ && !serial_) choose_distribution(net);
     if (settings_.weight_decay > 0) add_weight_decay(params_, settings_.weight_decay);
-    with_preconditioner([&](auto& pre) { observe(net, pre); });
+    with_preconditioner([&](auto& pre) { observe(net, pre, from_data() && pre.wants_observations(), true); });
     with_tuning([](auto& tune) {
       if (tune.wants_products()) tune.capture_gradient();  // else the update reuses the last alpha, mu
     });
@@ -589,9 +635,14 @@ class KfacSgd {
     });
   }
 
+  /// The statistics come from the data's backward pass ("empirical"), else from observe_sampled.
+  bool from_data() const { return settings_.fisher != "sampled"; }
+  bool wants_observations() const { return mpi_ ? mpi_->wants_observations() : serial_->wants_observations(); }
+  long step_count() const { return mpi_ ? mpi_->step_count() : serial_->step_count(); }
+
   template <class Pre>
-  static void precondition(Network& net, Pre& pre) {
-    observe(net, pre);
+  static void precondition(Network& net, Pre& pre, bool from_data) {
+    observe(net, pre, from_data && pre.wants_observations(), true);
     pre.step();
   }
 
@@ -601,10 +652,11 @@ class KfacSgd {
       if (p.decay) add_scaled(float(weight_decay), p.value, p.grad);
   }
 
-  /// Hands `pre` the observations (when due) and the gradients of every registered layer.
+  /// Hands `pre` the observations of every registered layer (`statistics`: a step that wants them)
+  /// and its gradient (`gradients`).
   template <class Pre>
-  static void observe(Network& net, Pre& pre) {
-    const bool observe = pre.wants_observations();
+  static void observe(Network& net, Pre& pre, bool statistics, bool gradients) {
+    const bool observe = statistics;
     Kokkos::Profiling::pushRegion("kfac::examples::observe");
     net.for_each_layer([&](const std::string& name, const auto& layer) {
       using L = std::decay_t<decltype(layer)>;
@@ -613,13 +665,13 @@ class KfacSgd {
           pre.observe_input(name, layer.input());
           pre.observe_output_grad(name, layer.output_grad());
         }
-        pre.set_gradient(name, layer.weight_grad(), layer.bias_grad());
+        if (gradients) pre.set_gradient(name, layer.weight_grad(), layer.bias_grad());
       } else if constexpr (std::is_same_v<L, BatchNorm2d>) {
         if (observe) {
           pre.observe_input(name, layer.normalized_input());
           pre.observe_output_grad(name, layer.output_grad());
         }
-        pre.set_gradient(name, layer.gamma_grad(), layer.beta_grad());
+        if (gradients) pre.set_gradient(name, layer.gamma_grad(), layer.beta_grad());
       }
     });
     Kokkos::Profiling::popRegion();
@@ -687,6 +739,8 @@ class KfacSgd {
     throw std::runtime_error("this build of the examples has no kfac (KFAC_EXAMPLES_WITHOUT_KFAC)");
   }
   void step(Network&) {}
+  template <class Loss>
+  void observe_sampled(Network&, const Tensor&, Loss&) {}
   double kfac_seconds() const { return 0.0; }
   KfacStepCost predicted(Network&, int, const ModelFigures& = {}) const { return {}; }
   const std::string& chosen() const { return chosen_; }

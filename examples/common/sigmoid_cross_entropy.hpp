@@ -4,6 +4,7 @@
 /// targets in [0, 1], summed over the outputs of a sample and averaged over the batch; with it,
 /// the squared error of the sigmoid's outputs (Martens & Grosse 2015's reported training error).
 
+#include "common/rng.hpp"
 #include "common/tensor.hpp"
 
 #include <cmath>
@@ -79,6 +80,25 @@ class SigmoidCrossEntropy {
   /// \brief (N, K, 1, 1) gradient from the last forward_backward.
   const Tensor& grad() const { return grad_view_; }
 
+  /// \brief The gradient of the mean loss at targets drawn from the model's own predictive
+  /// distribution, \f$t_{ij} \sim \mathrm{Bernoulli}(\sigma(z_{ij}))\f$, one uniform of `rng` per
+  /// output in memory order: \f$(\sigma(z_i) - t_i) / N\f$. Its outer products average to
+  /// \f$\mathrm{diag}(\sigma(1 - \sigma)) / N^2\f$ per sample, the loss's curvature at the logits (the
+  /// outputs are independent: no off-diagonal terms). Drawn on the host in double (a run repeats
+  /// whatever the thread count); in its own buffer (grad() stays).
+  /// \param logits [in] (N, K, 1, 1) or any (N, ...) of K values per sample
+  /// \return (N, K, 1, 1), valid until the next call
+  const Tensor& sampled_grad(const Tensor& logits, SplitMix64& rng) {
+    sampled_view_ = fill_on_host(logits, sampled_, [&](const auto& z, const auto& g, int n, int k) {
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < k; ++j) {
+          const double p = 1.0 / (1.0 + std::exp(-double(z(i, j))));
+          g(i, j) = float((p - (rng.uniform() < p ? 1.0 : 0.0)) / double(n));
+        }
+    });
+    return sampled_view_;
+  }
+
  private:
   ReconstructionStats run(const Tensor& logits, const Tensor& targets, bool want_grad) {
     const Matrix z = as_matrix(logits), t = as_matrix(targets);
@@ -92,6 +112,8 @@ class SigmoidCrossEntropy {
   Buffer<float> grad_;
   Buffer<double> loss_;
   Tensor grad_view_;
+  Buffer<float> sampled_{"nn::sigmoid_xent::sampled_grad"};
+  Tensor sampled_view_;
 };
 
 }  // namespace nn

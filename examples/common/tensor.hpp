@@ -123,6 +123,23 @@ class Buffer {
   Kokkos::View<T*, MemSpace> store_;
 };
 
+/// \brief An (N, K) result computed on the host from an (N, K) input, in `out`: `fill(x, y, n, k)`
+/// with host views of the input `x` and the result `y` (mirrors, or the views themselves on a host
+/// space). For sequential host work whose result must not depend on the execution space or its
+/// threads: the sampled Fisher's draws.
+/// \return (N, K, 1, 1) over `out`, valid until `out` grows
+template <class Fill>
+Tensor fill_on_host(const Tensor& input, Buffer<float>& out, Fill&& fill) {
+  const Matrix x = as_matrix(input);
+  const int n = int(x.extent(0)), k = int(x.extent(1));
+  const auto xh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
+  const Matrix y = out.matrix(std::size_t(n), std::size_t(k));
+  const auto yh = Kokkos::create_mirror_view(y);
+  fill(xh, yh, n, k);
+  Kokkos::deep_copy(y, yh);
+  return as_tensor(y);
+}
+
 /// \brief A trainable parameter as optimizers see it: flat views of the value and its gradient.
 struct Param {
   std::string name;

@@ -147,6 +147,7 @@ class Trainer {
     const Batch b = batcher_.get(step);
     const Tensor logits = net_.forward(b.x, Mode::train);
     BatchStats stats = loss_.forward_backward(logits, b.y);
+    if (auto* kfac = std::get_if<KfacSgd>(&rule_)) kfac->observe_sampled(net_, logits, loss_);  // --fisher sampled
     net_.backward(loss_.grad());
     sync_.average();
     if (auto* sgd = std::get_if<Sgd>(&rule_)) {
@@ -261,6 +262,7 @@ class Trainer {
         k.momentum = s.momentum;
         k.weight_decay = s.weight_decay;
         k.recipe = recipe_for(s, batches);
+        k.fisher_seed = s.seed;
         return KfacSgd(net, k, world);
       }
       case OptimizerKind::ngsgd: {

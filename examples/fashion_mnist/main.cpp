@@ -95,6 +95,10 @@ void usage() {
       "  --solve-every N                 with --adaptive: solve for the step size and momentum (two R-op passes)\n"
       "                                  every N steps after the first 10, using the solves' means in between\n"
       "                                  (kfac::Adaptive::solve_interval; default 1: every step, the paper's)\n"
+      "  --fisher empirical|sampled      K-FAC's G from the output gradients at the data's labels, or at labels drawn\n"
+      "                                  from the model's softmax (the true Fisher; one extra backward pass per draw\n"
+      "                                  on factor steps; default empirical)\n"
+      "  --fisher-samples N              --fisher sampled: labels drawn per sample on each factor step (default 1)\n"
       "  --model-figures measured|defaults   machine figures of the K-FAC cost-model line: measured at start-up\n"
       "                                  by kfac::measure_machine_figures (about 1.5 s), or kfac::MachineFigures'\n"
       "                                  defaults (default measured)\n"
@@ -268,6 +272,8 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--target-acc") num(a.target_acc);
     else if (key == "--stop-at-target") num(a.stop_at_target);
     else if (key == "--solve-every") num(a.train.kfac.adaptive_solve_interval);
+    else if (key == "--fisher") a.train.kfac.fisher = value;
+    else if (key == "--fisher-samples") num(a.train.kfac.fisher_samples);
     else throw std::invalid_argument("unknown option " + key + " (see --help)");
   }
   if (a.epochs < 1 || a.train.batch < 1) throw std::invalid_argument("--epochs and --batch must be >= 1");
@@ -284,6 +290,7 @@ Args parse(const std::vector<std::string>& argv) {
   if (a.train.kfac.inverse != "eigen" && a.train.kfac.inverse != "cholesky" && a.train.kfac.inverse != "randomized")
     throw std::invalid_argument("--inverse: expected eigen, cholesky or randomized");
   if (a.train.kfac.rank < 1) throw std::invalid_argument("--rank: expected >= 1");
+  nn::check_fisher(a.train.kfac);
   if (a.train.kfac.strategy != "auto" && a.train.kfac.strategy != "comm-opt" && a.train.kfac.strategy != "hybrid" &&
       a.train.kfac.strategy != "mem-opt")
     throw std::invalid_argument("--strategy: expected auto, comm-opt, hybrid or mem-opt");
@@ -342,6 +349,8 @@ std::string run_name(nn::OptimizerKind k, const nn::TrainSettings& s, int world_
     else if (c.inverse != d.inverse) n += "+" + c.inverse;
   }
   if (k == nn::OptimizerKind::kfac && s.kfac.adaptive) n += "+adaptive";
+  if (k == nn::OptimizerKind::kfac && s.kfac.fisher == "sampled")
+    n += "+sampled" + (s.kfac.fisher_samples > 1 ? std::to_string(s.kfac.fisher_samples) : std::string());
   if (k == nn::OptimizerKind::kfac && s.kfac.factor_precision == "half") n += "+half";
   if (k == nn::OptimizerKind::kfac && s.kfac.decomposition_delay > 0) n += "+d" + std::to_string(s.kfac.decomposition_delay);
   if (k == nn::OptimizerKind::kfac && s.kfac.eigen_refresh > 0) {
