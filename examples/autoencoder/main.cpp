@@ -61,6 +61,8 @@ void usage() {
       "  --optimizer sgd|adam|kfac       (default kfac)\n"
       "  --adaptive                      kfac: self-tuned (kfac::SelfTuning, its defaults): --lr, --momentum,\n"
       "                                  --damping and --kl-clip are refused with it\n"
+      "  --solve-every N                 with --adaptive: the step size and momentum solved (R-op passes) every N\n"
+      "                                  steps after the first 10, the solves' means in between (default 1)\n"
       "  --lr X                          learning rate (defaults: sgd 0.01, adam 1e-3, kfac 0.1)\n"
       "  --momentum X                    sgd and kfac momentum (default 0.9)\n"
       "  --damping X --kl-clip X         kfac (default 0.1, 1e-2)\n"
@@ -131,6 +133,7 @@ Args parse(const std::vector<std::string>& argv) {
     else if (key == "--inv-every") num(a.kfac.inv_update_steps);
     else if (key == "--inverse") a.kfac.inverse = value;
     else if (key == "--rank") num(a.kfac.rank);
+    else if (key == "--solve-every") num(a.kfac.adaptive_solve_interval);
     else if (key == "--fisher") a.kfac.fisher = value;
     else if (key == "--fisher-samples") num(a.kfac.fisher_samples);
     else if (key == "--batch") num(a.batch);
@@ -148,6 +151,8 @@ Args parse(const std::vector<std::string>& argv) {
   if (a.optimizer != "sgd" && a.optimizer != "adam" && a.optimizer != "kfac")
     throw std::invalid_argument("--optimizer: expected sgd, adam or kfac");
   if (a.adaptive && a.optimizer != "kfac") throw std::invalid_argument("--adaptive: only with --optimizer kfac");
+  if (a.kfac.adaptive_solve_interval < 1 || (a.kfac.adaptive_solve_interval != 1 && !a.adaptive))
+    throw std::invalid_argument("--solve-every: expected N >= 1, with --adaptive");
   if (a.adaptive && !tuned.empty())
     throw std::invalid_argument(tuned[0] + ": not used with --adaptive (self-tuned K-FAC chooses its step size, "
                                 "momentum and damping, and has no KL clip); drop " + tuned[0] + " or --adaptive");
