@@ -160,8 +160,8 @@ struct KfacSettings {
   /// momentum and damping chosen every step from the exact curvature, so lr, momentum, damping
   /// and kl_clip above are not used; a network whose layers all have an R-op (every kind has one).
   bool adaptive = false;
-  /// With `adaptive`: the quadratic model solved (R-op products) every this many steps, its
-  /// alpha and mu reused in between (kfac::Adaptive::solve_interval).
+  /// With `adaptive`: the quadratic model solved (R-op products) every this many steps after the
+  /// first 10, the solves' weighted means of alpha and mu used in between (kfac::Adaptive::solve_interval).
   long adaptive_solve_interval = 1;
   std::string fisher = "empirical";  ///< --fisher: "empirical" or "sampled" (see the table)
   int fisher_samples = 1;            ///< --fisher-samples
@@ -394,7 +394,7 @@ class KfacSgd {
     if (settings_.weight_decay > 0) add_weight_decay(params_, settings_.weight_decay);
     with_preconditioner([&](auto& pre) { observe(net, pre, from_data() && pre.wants_observations(), true); });
     with_tuning([](auto& tune) {
-      if (tune.wants_products()) tune.capture_gradient();  // else the update reuses the last alpha, mu
+      if (tune.wants_products()) tune.capture_gradient();  // else apply_last(): the solves' means
     });
     with_preconditioner([](auto& pre) { pre.step(); });
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
