@@ -370,7 +370,7 @@ class KfacSgd {
     Kokkos::Profiling::pushRegion("kfac::examples::kfac");
     const auto t0 = std::chrono::steady_clock::now();
     if (!mpi_ && !serial_) choose_distribution(net);
-    const long step = mpi_ ? mpi_->step_count() : serial_->step_count();  // the step being taken
+    const long step = step_count();  // the step being taken
     with_preconditioner([&](auto& pre) { precondition(net, pre, from_data()); });
     kfac_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     Kokkos::Profiling::popRegion();

@@ -136,8 +136,9 @@ struct Adaptive {
     return *this;
   }
 
-  /// \brief Solves the model every `v` steps and reuses its \f$\alpha, \mu\f$ in between
-  /// (SelfTuning::apply_last): the products, the host's dearest part of a step, every `v` steps.
+  /// \brief Solves the model every `v` steps after the warm-up and in between applies the solves'
+  /// weighted means of \f$\alpha, \mu\f$ (SelfTuning::apply_last): the products, the host's
+  /// dearest part of a step, every `v` steps.
   /// \param v [in] >= 1 (1: every step)
   Adaptive& with_solve_interval(long v) {
     solve_interval = v;

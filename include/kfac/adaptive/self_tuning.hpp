@@ -168,12 +168,10 @@ class SelfTuning {
   }
 
   /// \brief True when this step's update needs the host's products and solve(): at each of the
-  /// first Adaptive::solve_warmup steps, then at every Adaptive::solve_interval-th step (always
+  /// first Adaptive::solve_warmup steps, then at every Adaptive::solve_interval-th step (so always
   /// with the default interval 1). When false the host may skip capture_gradient() and its
   /// products and call apply_last() (solve() is accepted too).
-  bool wants_products() const {
-    return settings_.solve_interval == 1 || solves_ < settings_.solve_warmup || steps_ % settings_.solve_interval == 0;
-  }
+  bool wants_products() const { return solves_ < settings_.solve_warmup || steps_ % settings_.solve_interval == 0; }
   /// \brief The \f$\alpha, \mu\f$ apply_last() uses: the means of the solves' values after the
   /// first, each solve's weight falling by kReuseDecay per later solve (0 before the second solve).
   std::pair<double, double> reused_step() const {
