@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Transformer benchmark (issue 43 item 7; docs/transformers.md): a small ViT on Fashion-MNIST
 # and a character GPT on Debian's fortunes text, AdamW against SGD + kfac (K-FAC-expand and
-# K-FAC-reduce), each optimizer swept over four learning rates on the same steps and seeds.
+# K-FAC-reduce), each optimizer swept over four step sizes (AdamW's lr, K-FAC's KL clip) on the same steps and seeds.
 # Builds the Python package (CMake, build/python) when it is missing, then runs
 # benchmarks/python/transformer_benchmark.py: results/transformers/{runs.csv,summary.md,*.svg}
 # and one "target ...: MET | MISSED by x | NOT MEASURED (why)" line per target.
 #
-#   bash scripts/transformer_benchmark.sh --quick     one seed, two rates, short runs (< 5 min)
-#   bash scripts/transformer_benchmark.sh             3 seeds, 4 rates each (the full run, about an hour)
+#   bash scripts/transformer_benchmark.sh --quick     one seed, two settings, short runs (< 5 min)
+#   bash scripts/transformer_benchmark.sh             3 seeds, 4 settings each: ViT and GPT (about 86 minutes)
 # Other options go to the Python script (--out DIR, --workloads vit,gpt).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
