@@ -341,7 +341,7 @@ KFAC_FULL = [(0.1, 1e-5), (0.1, 3e-5), (0.1, 1e-4), (0.1, 3e-4)]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--quick', action='store_true', help='one seed, two settings, short runs (under 5 minutes)')
-    ap.add_argument('--smoke', action='store_true', help='4 steps of one rate each: that the script runs')
+    ap.add_argument('--smoke', action='store_true', help='4 steps of one setting each: that the script runs')
     ap.add_argument('--workloads', default=None,
                     help='comma-separated from vit,gpt,lm (default: vit,gpt for the full run, all three otherwise)')
     ap.add_argument('--out', default='results/transformers')
@@ -365,10 +365,9 @@ def main() -> None:
         seeds, steps = [0, 1, 2], {'vit': 400, 'gpt': 300, 'lm': 300}
         adamw = [(1e-3,), (2e-3,), (4e-3,), (8e-3,)]
         kfac_settings = KFAC_FULL
-    rates = {'adamw': adamw, 'kfac-expand': kfac_settings, 'kfac-reduce': kfac_settings}
+    general_rates = {'adamw': adamw, 'kfac-expand': kfac_settings, 'kfac-reduce': kfac_settings}
     lm_rates = {'adamw': adamw, 'kfac-pytorch': kfac_settings, 'kfac-fallback': kfac_settings}
     targets = {'vit': (0.6, 0.85), 'gpt': (0.7, 0.9), 'lm': (0.7, 0.9)}
-    general_rates = rates
     rows = []
     summary = [f'# Transformer benchmark ({"quick" if args.quick else "full"}), {time.strftime("%Y-%m-%d %H:%M")}',
                f'seeds {seeds}, steps {steps}, {args.threads} threads; '
@@ -379,25 +378,25 @@ def main() -> None:
         rates = lm_rates if name == 'lm' else general_rates
         every = max(1, steps[name] // 12)
         results: dict[tuple[str, float, int], list[tuple[int, float, float]]] = {}
-        for opt, lrs in rates.items():
-            for lr in lrs:
+        for opt, settings in rates.items():
+            for setting in settings:
                 for seed in seeds:
-                    pts = run(work, opt, lr, seed, steps[name], every)
-                    results[(opt, lr, seed)] = pts
-                    clip = '' if len(lr) == 1 else 'none' if lr[1] is None else lr[1]
-                    rows += [(name, opt, lr[0], clip, seed, s, f'{t:.3f}', f'{m:.5f}') for s, t, m in pts]
-                    print(f'{name} {opt} {setting_label(lr)} seed {seed}: {work.metric} {pts[-1][2]:.4f} '
+                    pts = run(work, opt, setting, seed, steps[name], every)
+                    results[(opt, setting, seed)] = pts
+                    clip = '' if len(setting) == 1 else 'none' if setting[1] is None else setting[1]
+                    rows += [(name, opt, setting[0], clip, seed, s, f'{t:.3f}', f'{m:.5f}') for s, t, m in pts]
+                    print(f'{name} {opt} {setting_label(setting)} seed {seed}: {work.metric} {pts[-1][2]:.4f} '
                           f'after {pts[-1][0]} steps, {pts[-1][1]:.1f} s', flush=True)
         sign = 1 if work.higher_is_better else -1
-        best: dict[str, float] = {}
+        best: dict[str, Setting] = {}
         summary += [f'## {name}: {work.metric} after {steps[name]} steps', '',
                     '| optimizer | best setting | ' + ' | '.join(f'seed {s}' for s in seeds) + ' | s per run |',
                     '|---|---|' + '---|' * len(seeds) + '---|']
-        for opt, lrs in rates.items():
-            def score(lr: Setting) -> float:
-                finals = [results[(opt, lr, s)][-1][2] for s in seeds]
+        for opt, settings in rates.items():
+            def score(setting: Setting) -> float:
+                finals = [results[(opt, setting, s)][-1][2] for s in seeds]
                 return -math.inf if any(math.isnan(f) for f in finals) else sign * statistics.mean(finals)
-            best[opt] = max(lrs, key=score)
+            best[opt] = max(settings, key=score)
             finals = [results[(opt, best[opt], s)][-1] for s in seeds]
             summary.append(f'| {opt} | {setting_label(best[opt])} | ' + ' | '.join(f'{f[2]:.4f}' for f in finals) +
                            f' | {statistics.mean(f[1] for f in finals):.1f} |')
